@@ -1,0 +1,52 @@
+"""Norm modules usable anywhere in a megatron-core spec, with sequence parallelism.
+
+megatron's ``WrappedTorchNorm`` refuses sequence parallelism because nothing marks its weight
+for the tensor-parallel all-reduce. Under SP each TP rank normalises a different slice of the
+sequence, so the weight gradient is partial on every rank; megatron's ``finalize_model_grads``
+sums the grads of parameters tagged ``sequence_parallel=True`` across TP. :class:`Norm` tags
+its parameters that way, which makes it valid with and without SP.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from kernels import dispatch
+
+
+def mark_sequence_parallel(param: torch.nn.Parameter, config: TransformerConfig) -> None:
+    """Tag a TP-replicated parameter whose gradient is partial per rank under SP."""
+    param.sequence_parallel = config.sequence_parallel
+
+
+class Norm(torch.nn.Module):
+    """RMSNorm or LayerNorm over the last dimension, chosen by ``config.normalization``.
+
+    Follows megatron's norm builder signature ``(config=, hidden_size=, eps=)``. Weights start
+    at 1 (and LayerNorm biases at 0), as every norm in SiameseNorm must.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(
+                f"model.normalization ({config.normalization}) must be RMSNorm or LayerNorm"
+            )
+        self.is_rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None
+        if not self.is_rms:
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for param in self.parameters():
+            mark_sequence_parallel(param, config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_rms:
+            return dispatch.rms_norm_fn()(x, self.weight, self.eps)
+        return dispatch.layer_norm_fn()(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        kind = "RMSNorm" if self.is_rms else "LayerNorm"
+        return f"{kind}({self.weight.numel()}, eps={self.eps})"

@@ -1,0 +1,23 @@
+"""Plain-PyTorch norms: the ground truth every fused kernel is checked against.
+
+Math runs in fp32 whatever the activation dtype, and the result is cast back, so bf16 runs
+keep the statistics of the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+    return y.to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    b = None if bias is None else bias.float()
+    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), b, eps)
+    return y.to(x.dtype)

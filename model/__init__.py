@@ -1,0 +1,1 @@
+"""Two-stream (SiameseNorm) and baseline transformers on megatron-core."""

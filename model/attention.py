@@ -1,0 +1,32 @@
+"""Self-attention with per-head norms on Q, K and V (HybridNorm's QKV-norm).
+
+megatron normalises Q and K per head (``q_layernorm``/``k_layernorm``) but not V; this
+subclass adds the V norm with the same builder. The head norms have head_dim-sized weights
+shared by every head, and each TP rank holds different heads, so their gradients are partial
+per rank: megatron sums Q/K's by name when ``qk_layernorm`` is set; V's carry
+``tp_partial_grad`` and :func:`model.grads.finalize_grads` sums them.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.attention import SelfAttention
+
+
+class QKVNormSelfAttention(SelfAttention):
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.v_layernorm = submodules.q_layernorm(
+            config=self.config,
+            hidden_size=self.hidden_size_per_attention_head,
+            eps=self.config.layernorm_epsilon,
+        )
+        for param in self.v_layernorm.parameters():
+            param.sequence_parallel = False  # summed once, below, with or without SP
+            param.tp_partial_grad = True
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate=False, split_qkv=True):
+        query, key, value = super().get_query_key_value_tensors(
+            hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv
+        )
+        return query, key, self.v_layernorm(value)

@@ -1,0 +1,81 @@
+"""Build a model for any residual scheme and parallel layout, and count its parameters.
+
+Usage (after :func:`model.parallel.initialize`)::
+
+    chunks = build_model(ModelConfig(residual_scheme="siamese"), ParallelConfig(tp=2))
+    chunks = wrap_ddp(chunks, parallel)           # for training
+    n = count_parameters(chunks)                  # this rank's share
+
+``build_model`` returns one GPTModel per virtual pipeline stage held by this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+
+from model.config import ModelConfig, ParallelConfig
+from model.grads import finalize_grads
+from model.megatron_config import transformer_config
+from model.spec import block_spec
+
+
+def build_model(
+    model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32
+) -> list[GPTModel]:
+    config = transformer_config(model, parallel, params_dtype)
+    config.finalize_model_grads_func = finalize_grads
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    chunks = []
+    for stage in range(parallel.model_chunks):
+        vp_stage = stage if parallel.vp is not None else None
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(model, config, vp_stage, pp_rank),
+            vocab_size=model.padded_vocab_size,
+            max_sequence_length=model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            position_embedding_type=model.position_embedding.value,
+            rotary_base=model.rotary_base,
+            vp_stage=vp_stage,
+        )
+        chunks.append(chunk)
+    return chunks
+
+
+def wrap_ddp(chunks: list[GPTModel], parallel: ParallelConfig) -> list[DistributedDataParallel]:
+    """Wrap each chunk in megatron's DDP (gradient buffers, DP reduction, optimizer sharding)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=parallel.distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config=chunk.config, ddp_config=ddp_config, module=chunk,
+            # Megatron-LM's rule: only the first chunk's buffers are bucketed.
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(chunks)
+    ]
+    wrapped[0].config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 \
+        else wrapped[0].no_sync
+    return wrapped
+
+
+def count_parameters(chunks) -> int:
+    """Parameters held by this rank, counting a shared (tied) tensor once."""
+    seen: set[int] = set()
+    total = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                total += param.numel()
+    return total

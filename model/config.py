@@ -1,0 +1,197 @@
+"""Model and parallel-layout configuration, checked when it is built.
+
+Every rule a user can break is checked here, before megatron sees the values, and reported as
+one :class:`ConfigError` line naming the field, the rule and the value(s), e.g.
+``parallel.tp (2) must divide model.num_attention_heads (3)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from model.schemes import Activation, Normalization, PositionEmbedding, Recompute, ResidualScheme
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message is one line naming the field."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _coerce_enums(section: str, obj) -> None:
+    """Turn strings into the StrEnum a field is declared with, naming the field on failure."""
+    for field in dataclasses.fields(obj):
+        enum_type = _ENUM_FIELDS.get(field.name)
+        if enum_type is None:
+            continue
+        value = getattr(obj, field.name)
+        try:
+            setattr(obj, field.name, enum_type(value))
+        except ValueError:
+            choices = ", ".join(e.value for e in enum_type)
+            raise ConfigError(
+                f"{section}.{field.name} ({value!r}) must be one of: {choices}"
+            ) from None
+
+
+_ENUM_FIELDS: dict[str, type[StrEnum]] = {
+    "residual_scheme": ResidualScheme,
+    "normalization": Normalization,
+    "activation": Activation,
+    "position_embedding": PositionEmbedding,
+    "recompute": Recompute,
+}
+
+
+@dataclass
+class ModelConfig:
+    """Shape and residual scheme of a decoder-only transformer."""
+
+    residual_scheme: ResidualScheme = ResidualScheme.SIAMESE
+    """pre | post | siamese | siamese_hybrid (see SiameseNorm's equations in model/layers)."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    """Grouped-query attention: number of K/V heads (default: one per query head)."""
+    ffn_hidden_size: int | None = None
+    """MLP width (default 4 * hidden_size)."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary; the embedding is padded to make_vocab_size_divisible_by."""
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 64
+    """Longest sequence the model accepts (learned position table size)."""
+    normalization: Normalization = Normalization.RMSNORM
+    norm_eps: float = 1e-5
+    activation: Activation = Activation.SWIGLU
+    position_embedding: PositionEmbedding = PositionEmbedding.ROPE
+    rotary_base: int = 10000
+    add_bias_linear: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    hybrid_prenorm_first_block: bool = False
+    """siamese_hybrid only: HybridNorm* - block 0 uses a Pre-Norm attention input norm and no
+    post-norm before its MLP."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums("model", self)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary padded to a multiple that does not depend on the parallel layout, so a
+        checkpoint's embedding has one shape under every TP size."""
+        m = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "seq_length", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"model.{name} ({value!r}) must be a positive integer")
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 f"model.num_attention_heads ({self.num_attention_heads}) must divide "
+                 f"model.hidden_size ({self.hidden_size})")
+        _require(self.kv_heads >= 1 and self.num_attention_heads % self.kv_heads == 0,
+                 f"model.num_query_groups ({self.num_query_groups}) must divide "
+                 f"model.num_attention_heads ({self.num_attention_heads})")
+        _require(self.ffn_size >= 1, f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be "
+                 "a positive integer")
+        _require(self.norm_eps > 0, f"model.norm_eps ({self.norm_eps}) must be > 0")
+        _require(self.init_method_std > 0,
+                 f"model.init_method_std ({self.init_method_std}) must be > 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"model.{name} ({value}) must be in [0, 1)")
+        if self.position_embedding is PositionEmbedding.ROPE:
+            _require((self.hidden_size // self.num_attention_heads) % 2 == 0,
+                     f"model.hidden_size / model.num_attention_heads "
+                     f"({self.hidden_size // self.num_attention_heads}) must be even for rope")
+        _require(not self.hybrid_prenorm_first_block
+                 or self.residual_scheme is ResidualScheme.SIAMESE_HYBRID,
+                 "model.hybrid_prenorm_first_block (true) requires model.residual_scheme "
+                 f"siamese_hybrid (got {self.residual_scheme})")
+
+
+@dataclass
+class ParallelConfig:
+    """How one model replica is split over ranks; data parallelism takes the rest."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vp: int | None = None
+    """Virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B."""
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    recompute_num_layers: int = 1
+    """With full recompute: layers per checkpointed chunk."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (megatron DistributedOptimizer)."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums("parallel", self)
+
+    @property
+    def model_chunks(self) -> int:
+        return self.vp or 1
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "recompute_num_layers"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"parallel.{name} ({value!r}) must be a positive integer")
+        if self.vp is not None:
+            _require(isinstance(self.vp, int) and self.vp >= 1,
+                     f"parallel.vp ({self.vp!r}) must be a positive integer")
+            _require(self.pp > 1, f"parallel.vp ({self.vp}) requires parallel.pp > 1 "
+                     f"(got {self.pp})")
+        _require(not self.sequence_parallel or self.tp > 1,
+                 f"parallel.sequence_parallel (true) requires parallel.tp > 1 (got {self.tp})")
+
+
+def validate_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Check each config and the rules that tie the model's shape to the layout."""
+    model.validate()
+    parallel.validate()
+    tp = parallel.tp
+    _require(model.num_attention_heads % tp == 0,
+             f"parallel.tp ({tp}) must divide model.num_attention_heads "
+             f"({model.num_attention_heads})")
+    _require(model.kv_heads % tp == 0,
+             f"parallel.tp ({tp}) must divide model.num_query_groups ({model.kv_heads})")
+    _require(model.ffn_size % tp == 0,
+             f"parallel.tp ({tp}) must divide model.ffn_hidden_size ({model.ffn_size})")
+    _require(model.padded_vocab_size % tp == 0,
+             f"parallel.tp ({tp}) must divide the padded vocabulary "
+             f"({model.padded_vocab_size}); raise model.make_vocab_size_divisible_by")
+    stages = parallel.pp * parallel.model_chunks
+    _require(model.num_layers % stages == 0,
+             f"model.num_layers ({model.num_layers}) must be divisible by parallel.pp x "
+             f"parallel.vp ({parallel.pp} x {parallel.model_chunks} = {stages})")
+    if parallel.sequence_parallel:
+        _require(model.seq_length % tp == 0,
+                 f"parallel.tp ({tp}) must divide model.seq_length ({model.seq_length}) "
+                 "with sequence parallelism")
+    if parallel.recompute is Recompute.FULL:
+        per_chunk = model.num_layers // stages
+        _require(parallel.recompute_num_layers <= per_chunk,
+                 f"parallel.recompute_num_layers ({parallel.recompute_num_layers}) must be <= "
+                 f"the layers per model chunk ({per_chunk})")

@@ -1,0 +1,1 @@
+"""One layer class per residual scheme; ``pre`` is megatron's own TransformerLayer."""

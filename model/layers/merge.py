@@ -1,0 +1,24 @@
+"""The final merge of SiameseNorm's two streams: out = Nfinal( Na(x) + Nb(y) ).
+
+It takes the place of megatron's final layer norm in the TransformerBlock spec, so it runs on
+the last pipeline stage only and turns the packed [s, b, 2h] tensor back into [s, b, h] for
+the output layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import streams
+
+
+class StreamMergeNorm(torch.nn.Module):
+    def __init__(self, config, hidden_size: int, eps: float, norm=None):
+        super().__init__()
+        self.x_norm = norm(config=config, hidden_size=hidden_size, eps=eps)
+        self.y_norm = norm(config=config, hidden_size=hidden_size, eps=eps)
+        self.final_norm = norm(config=config, hidden_size=hidden_size, eps=eps)
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        x, y = streams.unpack(packed)
+        return self.final_norm(self.x_norm(x) + self.y_norm(y))

@@ -1,0 +1,71 @@
+"""The single translation from our configs to megatron-core's ``TransformerConfig``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from model.config import ModelConfig, ParallelConfig, validate_layout
+from model.schemes import Activation, Recompute
+
+
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32
+) -> TransformerConfig:
+    """Build megatron's TransformerConfig; the only place its fields are chosen.
+
+    Choices that are not obvious:
+    - ``use_cpu_initialization``: weights are drawn whole from one seeded generator and then
+      sliced, so every TP layout starts from the same model.
+    - ``variable_seq_lengths`` for two-stream schemes under PP: stages exchange the packed
+      [s, b, 2h] tensor, but both pipeline schedules size their receive buffers from
+      ``hidden_size``; exchanging shapes first is the one mechanism both schedules honour.
+    - ``batch_p2p_comm`` is off with virtual pipelining: the batched isend/irecv path gives
+      wrong results with interleaving on gloo.
+    - ``qk_layernorm`` for Q/K/V-norm schemes: it makes megatron sum the per-head norm
+      gradients across TP ranks (every rank normalises different heads with shared weights).
+    """
+    validate_layout(model, parallel)
+    bf16 = params_dtype == torch.bfloat16
+    swiglu = model.activation is Activation.SWIGLU
+    recompute = parallel.recompute
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        ffn_hidden_size=model.ffn_size,
+        kv_channels=model.hidden_size // model.num_attention_heads,
+        normalization=model.normalization.megatron_name,
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        qk_layernorm=model.residual_scheme.qkv_norm,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vp,
+        sequence_parallel=parallel.sequence_parallel,
+        recompute_granularity=None if recompute is Recompute.NONE else recompute.value,
+        recompute_method="uniform" if recompute is Recompute.FULL else None,
+        recompute_num_layers=parallel.recompute_num_layers if recompute is Recompute.FULL
+        else None,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        autocast_dtype=params_dtype,
+        use_cpu_initialization=True,
+        variable_seq_lengths=model.residual_scheme.two_stream and parallel.pp > 1,
+        batch_p2p_comm=parallel.vp is None,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )

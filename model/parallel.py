@@ -1,0 +1,59 @@
+"""Process-group set-up for one run: torch.distributed, megatron's parallel state, seeds."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from model import cpu_compat
+from model.config import ParallelConfig
+
+
+def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Join (or create, for a single process) the default group and build megatron's groups.
+
+    Uses gloo without CUDA (the CPU shim is installed first) and NCCL with it. A process
+    started without torchrun gets a one-rank group on a free local port.
+    """
+    on_cpu = cpu_compat.install()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vp,
+    )
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

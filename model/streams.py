@@ -1,0 +1,28 @@
+"""How the two residual streams of SiameseNorm cross megatron-core: as one packed tensor.
+
+megatron's TransformerBlock, activation recomputation and the pipeline p2p exchange all move a
+single ``hidden_states`` tensor between layers. Concatenating x and y on the hidden dimension
+([s, b, 2h]) lets all of them work unchanged; this module is the only place that knows the
+layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Join the Post-Norm-like stream x and the Pre-Norm-like stream y into [s, b, 2h]."""
+    return torch.cat((x, y), dim=-1)
+
+
+def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a packed [s, b, 2h] tensor into (x, y)."""
+    x, y = packed.chunk(2, dim=-1)
+    return x, y
+
+
+def start(embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both streams begin as the embedding output. Every later update is out of place, so y
+    starting as the same tensor never aliases a value that is later modified."""
+    return embedding, embedding
