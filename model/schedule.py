@@ -1,0 +1,53 @@
+"""One forward-backward pass over a batch of microbatches with megatron-core's schedules.
+
+megatron picks the schedule from the parallel state: no pipelining, 1F1B, or interleaved 1F1B
+with virtual stages. The loss is the mean next-token cross entropy over unmasked tokens of
+each microbatch; the schedule averages microbatches (and DP averages replicas), which equals
+the token mean of the whole batch because every microbatch has the same number of tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    mask = loss_mask.reshape(-1).float()
+    loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum()
+    # The schedule scales the returned loss in place; report an independent copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator[dict], model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(lm_loss, batch["loss_mask"])
+
+
+def forward_backward(
+    chunks: list, microbatches: Iterable[dict], num_microbatches: int, seq_length: int,
+    micro_batch_size: int, forward_only: bool = False,
+) -> list[float]:
+    """Run the schedule; returns the per-microbatch losses on the last pipeline stage (empty
+    elsewhere). Gradients are left in the model's grad buffers, finalised across ranks."""
+    batches = list(microbatches)
+    iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
+    for chunk in chunks:
+        chunk.zero_grad_buffer() if hasattr(chunk, "zero_grad_buffer") else chunk.zero_grad()
+    results = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return []
+    return [float(r["lm loss"]) for r in results]

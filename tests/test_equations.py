@@ -1,0 +1,149 @@
+"""Each scheme's logits and gradients equal a plain-PyTorch transcription of its equations.
+
+The reference below is written from the equations in the SiameseNorm notes (not from the model
+code): it reads the model's weights by name and recomputes everything in float64 with
+explicit attention, RoPE and SwiGLU. Megatron's fused-QKV layout (per K/V group: the group's
+query heads, then its key head, then its value head) and SwiGLU's [gate; up] fc1 are the only
+facts taken from megatron.
+"""
+
+import math
+
+import pytest
+import torch
+
+from model.builder import build_model
+from model.config import ParallelConfig
+from tests.helpers import tiny_model
+
+SCHEMES = [
+    ("pre", {}),
+    ("post", {}),
+    ("siamese", {}),
+    ("siamese_hybrid", {}),
+    ("siamese_hybrid", {"hybrid_prenorm_first_block": True}),
+]
+
+
+class Reference:
+    def __init__(self, cfg, params):
+        self.cfg = cfg
+        self.p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
+        self.eps = cfg.norm_eps
+
+    def norm(self, x, name):
+        w = self.p[f"{name}.weight"]
+        if self.cfg.normalization == "rmsnorm":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + self.eps) * w + self.p[f"{name}.bias"]
+
+    def rope(self, t):
+        s, d = t.shape[1], t.shape[-1]
+        inv = 1.0 / (self.cfg.rotary_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+        cos = torch.cat([ang, ang], -1).cos()[None, :, None, :]
+        sin = torch.cat([ang, ang], -1).sin()[None, :, None, :]
+        t1, t2 = t[..., : d // 2], t[..., d // 2:]
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    def attention(self, a, layer, qkv_norm):
+        cfg, pre = self.cfg, f"decoder.layers.{layer}.self_attention"
+        b, s, _ = a.shape
+        nh, ng = cfg.num_attention_heads, cfg.kv_heads
+        hd, per = cfg.hidden_size // nh, nh // ng
+        qkv = (a @ self.p[f"{pre}.linear_qkv.weight"].T).reshape(b, s, ng, (per + 2) * hd)
+        q = qkv[..., : per * hd].reshape(b, s, nh, hd)
+        k = qkv[..., per * hd: (per + 1) * hd]
+        v = qkv[..., (per + 1) * hd:]
+        if qkv_norm:
+            q = self.norm(q, f"{pre}.q_layernorm")
+            k = self.norm(k, f"{pre}.k_layernorm")
+            v = self.norm(v, f"{pre}.v_layernorm")
+        q, k = self.rope(q), self.rope(k)
+        k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, nh * hd)
+        return out @ self.p[f"{pre}.linear_proj.weight"].T
+
+    def mlp(self, s, layer):
+        pre = f"decoder.layers.{layer}.mlp"
+        gate, up = (s @ self.p[f"{pre}.linear_fc1.weight"].T).chunk(2, -1)
+        return (torch.nn.functional.silu(gate) * up) @ self.p[f"{pre}.linear_fc2.weight"].T
+
+    def branch(self, k, inp, layer, qkv_norm=False):
+        return self.attention(inp, layer, qkv_norm) if k == "attn" else self.mlp(inp, layer)
+
+    def logits(self, tokens):
+        cfg = self.cfg
+        h = self.p["embedding.word_embeddings.weight"][tokens]
+        scheme = cfg.residual_scheme
+        x, y = h, h.clone()
+        for l in range(cfg.num_layers):
+            n = lambda name: f"decoder.layers.{l}.{name}"  # noqa: E731
+            c = math.sqrt(2 * (l + 1))
+            for k in ("attn", "mlp"):
+                if scheme == "pre":
+                    norm = n("input_layernorm") if k == "attn" else n("pre_mlp_layernorm")
+                    h = h + self.branch(k, self.norm(h, norm), l)
+                elif scheme == "post":
+                    h = self.norm(h + self.branch(k, h, l), n(f"{k}_post_norm"))
+                elif scheme == "siamese":
+                    u = self.norm(x, n(f"{k}_post_norm"))
+                    r = self.branch(k, self.norm(u + self.norm(y, n(f"{k}_pre_norm")),
+                                                 n(f"{k}_in_norm")), l)
+                    x, y = u + r / c, y + r
+                else:  # siamese_hybrid
+                    star = cfg.hybrid_prenorm_first_block and l == 0
+                    if k == "attn":
+                        a = x * self.p[n("attn_gate.weight")] + self.norm(y, n("attn_pre_norm"))
+                        if star:
+                            a = self.norm(a, n("attn_in_norm"))
+                        r = self.branch(k, a, l, qkv_norm=True)
+                    else:
+                        if not star:
+                            x = self.norm(x, n("mlp_post_norm"))
+                        r = self.branch(k, self.norm(x + self.norm(y, n("mlp_pre_norm")),
+                                                     n("mlp_in_norm")), l)
+                    x, y = x + r / c, y + r
+        if scheme == "pre":
+            h = self.norm(h, "decoder.final_layernorm")
+        elif scheme in ("siamese", "siamese_hybrid"):
+            f = "decoder.final_layernorm"
+            h = self.norm(self.norm(x, f"{f}.x_norm") + self.norm(y, f"{f}.y_norm"),
+                          f"{f}.final_norm")
+        return h @ self.p["output_layer.weight"].T
+
+
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("scheme,extra", SCHEMES, ids=lambda v: str(v) if v else "")
+def test_logits_and_grads_match_equations(single_rank, scheme, extra, normalization):
+    torch.manual_seed(0)
+    cfg = tiny_model(scheme, normalization=normalization, **extra)
+    [model] = build_model(cfg, ParallelConfig())
+    # Perturb every norm weight and gate away from 1 so a misplaced norm cannot hide.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "gate" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(2, -1)
+    logits = model(tokens, positions, None)
+    ref = Reference(cfg, dict(model.named_parameters()))
+    expected = ref.logits(tokens)
+    assert logits.shape == expected.shape
+    assert rel_err(logits, expected) <= 1e-5
+
+    probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    (logits * probe).sum().backward()
+    (expected * probe.double()).sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert rel_err(param.grad, ref.p[name].grad) <= 1e-5, name
