@@ -11,6 +11,7 @@ installing it twice is a no-op.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -82,6 +83,21 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = _set_cpu_rng_state
 
 
+@functools.lru_cache(maxsize=16)
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.ones(sq, sq, dtype=torch.bool).triu(1)
+
+
+def _patch_causal_mask() -> None:
+    """The causal mask helper builds on "cuda". It also runs inside backward when activations
+    are recomputed, where the device-rewriting mode is not active (torch switches a mode off
+    while it handles ``torch.autograd.backward``), so it is replaced outright."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = _causal_mask
+
+
 def install() -> bool:
     """Install the CPU redirections once per process. Returns True when they are active."""
     global _installed
@@ -100,5 +116,6 @@ def install() -> bool:
         torch.cuda.set_rng_state = _set_cpu_rng_state
         _CudaToCpu().__enter__()
         _patch_megatron_rng()
+        _patch_causal_mask()
         _installed = True
     return True

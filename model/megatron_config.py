@@ -61,6 +61,9 @@ def transformer_config(
         use_cpu_initialization=True,
         variable_seq_lengths=model.residual_scheme.two_stream and parallel.pp > 1,
         batch_p2p_comm=parallel.vp is None,
+        # Dense models have no experts; megatron rejects variable_seq_lengths with the default
+        # (allgather) MoE dispatcher even so.
+        moe_token_dispatcher_type="alltoall",
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

@@ -1,0 +1,56 @@
+"""Impossible model/layout configs fail at build time with one line: field, rule, values."""
+
+import pytest
+
+from model.builder import build_model
+from model.config import ConfigError, ModelConfig, ParallelConfig
+
+CASES = [
+    # (model overrides, parallel overrides, fragments the message must contain)
+    (dict(residual_scheme="prenorm"), {}, ["model.residual_scheme", "'prenorm'", "siamese"]),
+    (dict(normalization="batchnorm"), {}, ["model.normalization", "'batchnorm'"]),
+    (dict(num_attention_heads=3, hidden_size=96), dict(tp=2),
+     ["parallel.tp (2)", "model.num_attention_heads (3)"]),
+    (dict(num_layers=6), dict(pp=2, vp=2), ["model.num_layers (6)", "parallel.pp", "2 x 2 = 4"]),
+    (dict(num_layers=3), dict(pp=2), ["model.num_layers (3)", "1 = 2"]),
+    (dict(hidden_size=100, num_attention_heads=3), {},
+     ["model.num_attention_heads (3)", "model.hidden_size (100)"]),
+    ({}, dict(vp=2), ["parallel.vp (2)", "parallel.pp > 1", "got 1"]),
+    ({}, dict(sequence_parallel=True), ["parallel.sequence_parallel", "parallel.tp > 1"]),
+    (dict(num_query_groups=3), {}, ["model.num_query_groups (3)", "(4)"]),
+    (dict(num_attention_heads=4, num_query_groups=1), dict(tp=2),
+     ["parallel.tp (2)", "model.num_query_groups (1)"]),
+    (dict(ffn_hidden_size=63), dict(tp=2), ["model.ffn_hidden_size (63)"]),
+    (dict(seq_length=15), dict(tp=2, sequence_parallel=True), ["model.seq_length (15)"]),
+    (dict(num_layers=0), {}, ["model.num_layers (0)", "positive integer"]),
+    (dict(hidden_dropout=1.5), {}, ["model.hidden_dropout (1.5)", "[0, 1)"]),
+    (dict(hybrid_prenorm_first_block=True), {}, ["model.hybrid_prenorm_first_block",
+                                                 "siamese_hybrid"]),
+    ({}, dict(recompute="sometimes"), ["parallel.recompute", "'sometimes'"]),
+    (dict(num_layers=4), dict(recompute="full", recompute_num_layers=3, pp=2),
+     ["parallel.recompute_num_layers (3)", "(2)"]),
+    ({}, dict(tp=0), ["parallel.tp (0)"]),
+    (dict(vocab_size=101, make_vocab_size_divisible_by=1), dict(tp=2),
+     ["parallel.tp (2)", "padded vocabulary (101)"]),
+    (dict(hidden_size=36, num_attention_heads=4), {}, ["(9) must be even for rope"]),
+]
+
+
+@pytest.mark.parametrize("model_kw,parallel_kw,fragments", CASES)
+def test_bad_config_is_one_clear_line(model_kw, parallel_kw, fragments):
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                seq_length=16)
+    with pytest.raises(ConfigError) as info:
+        build_model(ModelConfig(**{**base, **model_kw}), ParallelConfig(**parallel_kw))
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_valid_layout_builds_config():
+    from model.megatron_config import transformer_config
+
+    config = transformer_config(ModelConfig(num_layers=4), ParallelConfig(tp=2, pp=2, vp=2))
+    assert config.virtual_pipeline_model_parallel_size == 2
+    assert config.variable_seq_lengths  # two streams cross pipeline stages packed

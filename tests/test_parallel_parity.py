@@ -1,0 +1,86 @@
+"""TP, SP, PP (1F1B and interleaved), TPxPP and DP runs on gloo match the unsharded model.
+
+The unsharded model runs in this process and writes its weights as a distributed checkpoint;
+each layout loads them (resharding through megatron's checkpoint format), runs the same four
+microbatches, and writes its loss and its gradients (as a checkpoint, so they come back
+unsharded). Gradients are compared parameter by parameter.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from model.builder import build_model, wrap_ddp
+from model.checkpoint import load_model, save_model
+from model.config import ParallelConfig
+from model.schedule import forward_backward
+from tests.helpers import MBS, SEQ, batches, spawn, tiny_model
+from tests.parity_worker import MICROBATCHES, run_layout
+
+SCHEMES = ["siamese", "siamese_hybrid"]
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+    "pp2": dict(pp=2),
+    "pp2-vp2": dict(pp=2, vp=2),
+    "tp2-pp2": dict(tp=2, pp=2),
+    "dp2": dict(),
+}
+WORLD = {"tp2": 2, "tp2-sp": 2, "pp2": 2, "pp2-vp2": 2, "tp2-pp2": 4, "dp2": 2}
+
+
+@pytest.fixture(scope="module")
+def reference(single_rank, tmp_path_factory):
+    """Unsharded weights, loss and gradients for each scheme."""
+    root = tmp_path_factory.mktemp("reference")
+    par = ParallelConfig(distributed_optimizer=False)
+    out = {}
+    for scheme in SCHEMES:
+        torch.manual_seed(7)
+        chunks = wrap_ddp(build_model(tiny_model(scheme), par), par)
+        with torch.no_grad():  # norms away from 1 so a misrouted norm weight shows
+            for name, p in chunks[0].module.named_parameters():
+                if "norm" in name or "gate" in name:
+                    p.add_(0.2 * torch.randn_like(p))
+        save_model(chunks, str(root / scheme / "weights"))
+        losses = forward_backward(chunks, batches(MICROBATCHES), MICROBATCHES, SEQ, MBS)
+        grads = {n: p.main_grad.clone() for n, p in chunks[0].module.named_parameters()}
+        out[scheme] = (sum(losses) / len(losses), grads)
+    return root, out
+
+
+def read_grads(scheme_dir) -> dict:
+    par = ParallelConfig(distributed_optimizer=False)
+    [model] = build_model(tiny_model(os.path.basename(scheme_dir)), par)
+    load_model([model], os.path.join(scheme_dir, "grads"))
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_unsharded(reference, layout, tmp_path):
+    root, expected = reference
+    # Each layout writes its losses and gradients into its own folder.
+    work = tmp_path / "work"
+    for scheme in SCHEMES:
+        (work / scheme).mkdir(parents=True)
+        os.symlink(root / scheme / "weights", work / scheme / "weights")
+    spawn(WORLD[layout], run_layout, LAYOUTS[layout], SCHEMES, str(work))
+    for scheme in SCHEMES:
+        ref_loss, ref_grads = expected[scheme]
+        loss = json.loads((work / scheme / "loss.json").read_text())
+        assert abs(loss - ref_loss) / abs(ref_loss) <= 1e-5, (scheme, loss, ref_loss)
+        scales = {}
+        for path in (work / scheme).glob("depth_scales.rank*.json"):
+            scales.update({int(k): v for k, v in json.loads(path.read_text()).items()})
+        num_layers = tiny_model(scheme).num_layers
+        assert scales == {l: math.sqrt(2 * (l + 1)) for l in range(num_layers)}
+        grads = read_grads(str(work / scheme))
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            scale = ref_grads[name].abs().max().clamp_min(1e-12)
+            err = ((grad - ref_grads[name]).abs().max() / scale).item()
+            assert err <= 1e-4, (scheme, layout, name, err)
