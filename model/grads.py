@@ -30,5 +30,5 @@ def finalize_grads(model, num_tokens=None, *args, **kwargs):
         return
     flat = _flatten_dense_tensors(grads)
     torch.distributed.all_reduce(flat, group=group)
-    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(synced)

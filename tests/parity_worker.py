@@ -51,8 +51,8 @@ def run_layout(layout: dict, schemes: list[str], workdir: str) -> None:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, losses)
         if dist.get_rank() == 0:
-            per_rank = [l for l in gathered if l]
-            mean = sum(sum(l) for l in per_rank) / sum(len(l) for l in per_rank)
+            per_rank = [losses for losses in gathered if losses]
+            mean = sum(map(sum, per_rank)) / sum(map(len, per_rank))
             with open(os.path.join(workdir, scheme, "loss.json"), "w") as f:
                 json.dump(mean, f)
         record_depth_scales(chunks, os.path.join(workdir, scheme))

@@ -82,32 +82,33 @@ class Reference:
         h = self.p["embedding.word_embeddings.weight"][tokens]
         scheme = cfg.residual_scheme
         x, y = h, h.clone()
-        for l in range(cfg.num_layers):
-            n = lambda name: f"decoder.layers.{l}.{name}"  # noqa: E731
-            c = math.sqrt(2 * (l + 1))
+        for i in range(cfg.num_layers):
+            def n(name, i=i):
+                return f"decoder.layers.{i}.{name}"
+            c = math.sqrt(2 * (i + 1))
             for k in ("attn", "mlp"):
                 if scheme == "pre":
                     norm = n("input_layernorm") if k == "attn" else n("pre_mlp_layernorm")
-                    h = h + self.branch(k, self.norm(h, norm), l)
+                    h = h + self.branch(k, self.norm(h, norm), i)
                 elif scheme == "post":
-                    h = self.norm(h + self.branch(k, h, l), n(f"{k}_post_norm"))
+                    h = self.norm(h + self.branch(k, h, i), n(f"{k}_post_norm"))
                 elif scheme == "siamese":
                     u = self.norm(x, n(f"{k}_post_norm"))
                     r = self.branch(k, self.norm(u + self.norm(y, n(f"{k}_pre_norm")),
-                                                 n(f"{k}_in_norm")), l)
+                                                 n(f"{k}_in_norm")), i)
                     x, y = u + r / c, y + r
                 else:  # siamese_hybrid
-                    star = cfg.hybrid_prenorm_first_block and l == 0
+                    star = cfg.hybrid_prenorm_first_block and i == 0
                     if k == "attn":
                         a = x * self.p[n("attn_gate.weight")] + self.norm(y, n("attn_pre_norm"))
                         if star:
                             a = self.norm(a, n("attn_in_norm"))
-                        r = self.branch(k, a, l, qkv_norm=True)
+                        r = self.branch(k, a, i, qkv_norm=True)
                     else:
                         if not star:
                             x = self.norm(x, n("mlp_post_norm"))
                         r = self.branch(k, self.norm(x + self.norm(y, n("mlp_pre_norm")),
-                                                     n("mlp_in_norm")), l)
+                                                     n("mlp_in_norm")), i)
                     x, y = x + r / c, y + r
         if scheme == "pre":
             h = self.norm(h, "decoder.final_layernorm")

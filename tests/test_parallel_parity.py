@@ -77,7 +77,7 @@ def test_layout_matches_unsharded(reference, layout, tmp_path):
         for path in (work / scheme).glob("depth_scales.rank*.json"):
             scales.update({int(k): v for k, v in json.loads(path.read_text()).items()})
         num_layers = tiny_model(scheme).num_layers
-        assert scales == {l: math.sqrt(2 * (l + 1)) for l in range(num_layers)}
+        assert scales == {i: math.sqrt(2 * (i + 1)) for i in range(num_layers)}
         grads = read_grads(str(work / scheme))
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
