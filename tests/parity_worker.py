@@ -59,3 +59,36 @@ def run_layout(layout: dict, schemes: list[str], workdir: str) -> None:
         grads_into_params(chunks)
         save_model(chunks, os.path.join(workdir, scheme, "grads"))
     parallel.destroy()
+
+
+def optimizer_step(chunks, distributed: bool):
+    """One AdamW step with megatron's optimizer (sharded across DP when ``distributed``)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    # A large eps keeps Adam's update smooth in the gradient: with the default 1e-8, entries
+    # whose gradient is near zero turn summation-order noise into +-lr steps.
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+                             adam_eps=1e-3, use_distributed_optimizer=distributed)
+    optimizer = get_megatron_optimizer(config, chunks)
+    optimizer.zero_grad()
+    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
+                   parallel_state.get_data_parallel_rank())
+    mine = batches(MICROBATCHES)[dp_rank::dp]
+    forward_backward(chunks, mine, len(mine), SEQ, MBS)
+    ok, grad_norm, _ = optimizer.step()
+    assert ok
+    return grad_norm
+
+
+def run_optimizer_step(scheme: str, workdir: str, distributed: bool) -> None:
+    """Load the reference weights, take one optimizer step, save the updated weights."""
+    par = ParallelConfig(distributed_optimizer=distributed)
+    parallel.initialize(par)
+    chunks = wrap_ddp(build_model(tiny_model(scheme), par), par)
+    load_model(chunks, os.path.join(workdir, "weights"))
+    grad_norm = optimizer_step(chunks, distributed)
+    save_model(chunks, os.path.join(workdir, "stepped"))
+    if dist.get_rank() == 0:
+        with open(os.path.join(workdir, "grad_norm.json"), "w") as f:
+            json.dump(grad_norm, f)
+    parallel.destroy()
