@@ -33,12 +33,13 @@ def forward_backward(
     chunks: list, microbatches: Iterable[dict], num_microbatches: int, seq_length: int,
     micro_batch_size: int, forward_only: bool = False,
 ) -> list[float]:
-    """Run the schedule; returns the per-microbatch losses on the last pipeline stage (empty
-    elsewhere). Gradients are left in the model's grad buffers, finalised across ranks."""
+    """Run the schedule over DDP-wrapped chunks (:func:`model.builder.wrap_ddp`); returns the
+    per-microbatch losses on the last pipeline stage (empty elsewhere). Gradients are left in
+    the chunks' ``main_grad`` buffers, finalised across ranks."""
     batches = list(microbatches)
     iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     for chunk in chunks:
-        chunk.zero_grad_buffer() if hasattr(chunk, "zero_grad_buffer") else chunk.zero_grad()
+        chunk.zero_grad_buffer()
     results = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators,

@@ -108,13 +108,11 @@ class TwoStreamLayer(SchemeLayer):
     embedding instead and starts both streams from it.
     """
 
-    use_depth_scale: bool = True
-
     @property
     def depth_scale(self) -> float:
         """c_l = sqrt(2 (l + 1)) for global block index l; ``layer_number`` is global, 1-based,
         so pipeline stages agree with the unsharded model."""
-        return math.sqrt(2.0 * self.layer_number) if self.use_depth_scale else 1.0
+        return math.sqrt(2.0 * self.layer_number)
 
     def split_streams(self, sublayer: str, hidden_states: torch.Tensor):
         if sublayer == "attn" and self.layer_number == 1:

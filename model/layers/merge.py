@@ -13,7 +13,9 @@ from model import streams
 
 
 class StreamMergeNorm(torch.nn.Module):
-    def __init__(self, config, hidden_size: int, eps: float, norm=None):
+    """Three norms built with ``norm`` (the spec's norm builder): Na, Nb and Nfinal."""
+
+    def __init__(self, config, hidden_size: int, eps: float, *, norm):
         super().__init__()
         self.x_norm = norm(config=config, hidden_size=hidden_size, eps=eps)
         self.y_norm = norm(config=config, hidden_size=hidden_size, eps=eps)
