@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -51,9 +52,8 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

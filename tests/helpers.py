@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
 from model.config import ModelConfig
+from model.parallel import free_port
 
 SEQ, MBS, VOCAB = 16, 2, 100
 
@@ -37,12 +37,6 @@ def batches(count: int, seed: int = 0, seq: int = SEQ, mbs: int = MBS) -> list[d
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -54,5 +48,5 @@ def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
 
 def spawn(world: int, fn, *args) -> None:
     """Run ``fn(*args)`` on ``world`` gloo ranks; raises if any rank fails."""
-    mp.start_processes(_bootstrap, args=(world, _free_port(), fn, args), nprocs=world,
+    mp.start_processes(_bootstrap, args=(world, free_port(), fn, args), nprocs=world,
                        join=True, start_method="spawn")
