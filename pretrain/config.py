@@ -1,0 +1,250 @@
+"""The run configuration: one dataclass per concern, loaded from TOML, overridden from the CLI.
+
+Precedence is command line > file > defaults. ``--optim.lr=1e-3`` sets ``[optim] lr``. Unknown
+sections or keys, values of the wrong type and impossible combinations fail at load time with
+one :class:`~model.config.ConfigError` line naming the field, the rule and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from model.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay to ``min_lr``."""
+
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+
+
+@dataclass
+class DataConfig:
+    """Megatron indexed datasets (``prefix.bin`` / ``prefix.idx``) and how batches are cut."""
+
+    prefixes: list[str] = field(default_factory=list)
+    """Dataset prefixes; several are blended by ``weights``."""
+    weights: list[float] = field(default_factory=list)
+    """Blend weights, one per prefix (default: equal)."""
+    tokenizer: str = ""
+    """sentencepiece .model file the datasets were tokenised with."""
+    split: str = "98,2,0"
+    """train,valid,test split of each dataset's documents."""
+    seq_length: int = 0
+    """Tokens per training sequence (0: model.seq_length, the longest the model accepts)."""
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    """Sequences per optimizer step (micro-batches are accumulated to reach it)."""
+    cache_dir: str = ""
+    """Where megatron caches its sample indices (default: <run.dir>/data_cache)."""
+
+
+@dataclass
+class RunConfig:
+    """Length, evaluation, checkpointing and safety limits of one run."""
+
+    dir: str = "runs/default"
+    steps: int = 100
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 50
+    """Validate every this many steps (and at the start and the end)."""
+    eval_iters: int = 10
+    """Validation batches (of global_batch_size sequences) per evaluation."""
+    save_interval: int = 0
+    """Checkpoint every this many steps (0: only at the end and on a signal)."""
+    keep_last: int = 2
+    """Checkpoints to keep; older complete ones are deleted."""
+    max_nonfinite_steps: int = 3
+    """Abort after this many consecutive steps with a NaN/Inf loss or gradient."""
+    init_from: str = ""
+    """Start a new run from the model weights of this checkpoint (fresh optimizer, step 0).
+    Ignored when the run folder already holds a checkpoint to resume from."""
+    params_dtype: str = "auto"
+    """auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
+
+
+@dataclass
+class LoggingConfig:
+    """Weights & Biases; metrics always go to <run.dir>/metrics.jsonl as well."""
+
+    wandb_mode: str = "auto"
+    """online | offline | disabled | auto (online with credentials, else offline)."""
+    project: str = "siamesenorm"
+    entity: str = ""
+    group: str = ""
+    name: str = ""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens per training sequence."""
+        return self.data.seq_length or self.model.seq_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return {s.name: _plain(dataclasses.asdict(getattr(self, s.name)))
+                for s in dataclasses.fields(self)}
+
+
+def _plain(values: dict) -> dict:
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in values.items()}
+
+
+def _check_type(where: str, value: Any, annotation: Any) -> Any:
+    """Return ``value`` if it fits ``annotation`` (ints widen to floats), else raise."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            if option is type(None) and value is None:
+                return None
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _check_type(where, value, options[0])
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} ({value!r}) must be a list")
+        return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(annotation, type) and issubclass(annotation, str) and isinstance(value, str):
+        return value  # StrEnum fields are checked by their dataclass
+    if annotation is int and isinstance(value, bool):
+        raise ConfigError(f"{where} ({value!r}) must be an integer")
+    if isinstance(annotation, type) and not isinstance(value, annotation):
+        raise ConfigError(f"{where} ({value!r}) must be of type {annotation.__name__}")
+    return value
+
+
+def _build_section(name: str, cls: type, values: dict[str, Any]):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown config key {name}.{key}; known keys: "
+                              f"{', '.join(sorted(known))}")
+    checked = {k: _check_type(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
+    return cls(**checked)
+
+
+def _parse_scalar(text: str) -> Any:
+    """A command-line value: parsed as a TOML value when it is one, else kept as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dict]:
+    """Apply ``--section.key=value`` arguments to a raw (TOML-shaped) config dict."""
+    raw = {k: dict(v) for k, v in raw.items()}
+    for item in overrides:
+        body = item[2:] if item.startswith("--") else item
+        key, sep, value = body.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name or "." in name:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        raw.setdefault(section, {})[name] = _parse_scalar(value)
+    return raw
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            raw = tomllib.loads(file.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+    raw = apply_overrides(raw, list(overrides))
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    built = {}
+    for name, values in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section [{name}]; known sections: "
+                              f"{', '.join(sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section [{name}] must be a table")
+        built[name] = _build_section(name, typing.get_type_hints(Config)[name], values)
+    config = Config(**built)
+    validate(config)
+    return config
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config, world_size: int | None = None) -> None:
+    """Rules across sections; ``world_size`` adds the data-parallel rules."""
+    validate_layout(config.model, config.parallel)
+    o, d, r, lg = config.optim, config.data, config.run, config.logging
+    _require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
+    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
+    _require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must be "
+             f">= 0 and < run.steps ({r.steps})")
+    _require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
+    for name in ("micro_batch_size", "global_batch_size"):
+        value = getattr(d, name)
+        _require(value >= 1, f"data.{name} ({value}) must be >= 1")
+    _require(0 <= d.seq_length <= config.model.seq_length,
+             f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
+             f"({config.model.seq_length})")
+    _require(not d.weights or len(d.weights) == len(d.prefixes),
+             f"data.weights has {len(d.weights)} entries but data.prefixes has "
+             f"{len(d.prefixes)}")
+    _require(all(w > 0 for w in d.weights), f"data.weights ({d.weights}) must all be > 0")
+    parts = d.split.split(",")
+    _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
+             and sum(float(p) for p in parts) > 0,
+             f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
+    for name in ("steps", "log_interval", "eval_interval", "keep_last", "max_nonfinite_steps"):
+        value = getattr(r, name)
+        _require(value >= 1, f"run.{name} ({value}) must be >= 1")
+    _require(r.eval_iters >= 0, f"run.eval_iters ({r.eval_iters}) must be >= 0")
+    _require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
+    _require(r.params_dtype in ("auto", "fp32", "bf16"),
+             f"run.params_dtype ({r.params_dtype!r}) must be auto, fp32 or bf16")
+    _require(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
+             f"logging.wandb_mode ({lg.wandb_mode!r}) must be auto, online, offline or disabled")
+    if world_size is not None:
+        model_parallel = config.parallel.tp * config.parallel.pp
+        _require(world_size % model_parallel == 0,
+                 f"world size ({world_size}) must be divisible by parallel.tp x parallel.pp "
+                 f"({model_parallel})")
+        dp = world_size // model_parallel
+        step = d.micro_batch_size * dp
+        _require(d.global_batch_size % step == 0,
+                 f"data.global_batch_size ({d.global_batch_size}) must be divisible by "
+                 f"data.micro_batch_size x data-parallel size ({d.micro_batch_size} x {dp})")
+        if config.parallel.vp is not None:
+            micro = d.global_batch_size // step
+            _require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
+                     f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
+                     f"({config.parallel.pp}) and larger than it with virtual pipelining")

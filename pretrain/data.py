@@ -1,0 +1,80 @@
+"""Training and validation batches from Megatron indexed datasets.
+
+megatron-core builds the datasets (GPTDataset, blended by BlendedMegatronDatasetBuilder,
+split train/valid/test by document). Batches are then cut deterministically from the global
+sample index: optimizer step k uses samples [k * G, (k + 1) * G), split into micro-batches,
+each data-parallel rank taking its slice. The data position of a run is therefore just its
+step count, which is what checkpoints store; resuming needs no sampler state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from pretrain.config import Config
+from pretrain.prepare import check_dataset
+
+
+def build_datasets(config: Config, tokenizer, train_samples: int, valid_samples: int):
+    """(train, valid) GPTDatasets. Rank 0 builds megatron's index cache first; the other
+    ranks then read it, so no two processes write the same cache file."""
+    data = config.data
+    for prefix in data.prefixes:
+        check_dataset(prefix, tokenizer.vocab_size)
+    weights = data.weights or [1.0] * len(data.prefixes)
+    dataset_config = GPTDatasetConfig(
+        random_seed=config.run.seed,
+        sequence_length=config.seq_length,
+        blend=(list(data.prefixes), list(weights)),
+        split=data.split,
+        path_to_cache=data.cache_dir or f"{config.run.dir}/data_cache",
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.05,
+    )
+    sizes = [train_samples, valid_samples, 0]
+
+    def build():
+        return BlendedMegatronDatasetBuilder(
+            GPTDataset, sizes, lambda: True, dataset_config).build()
+
+    if dist.get_rank() == 0:
+        datasets = build()
+        dist.barrier()
+    else:
+        dist.barrier()
+        datasets = build()
+    return datasets[0], datasets[1]
+
+
+def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {k: torch.stack([s[k] for s in samples]).to(_device()) for k in keys}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def step_microbatches(dataset, step: int, global_batch: int, micro_batch: int) -> Iterator[dict]:
+    """This rank's micro-batches of optimizer step ``step`` (sample-index arithmetic only)."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    start = step * global_batch
+    for offset in range(0, global_batch, micro_batch * dp):
+        first = start + offset + rank * micro_batch
+        yield _collate([dataset[i % len(dataset)] for i in range(first, first + micro_batch)])
+
+
+def microbatches_per_step(global_batch: int, micro_batch: int) -> int:
+    return global_batch // (micro_batch * parallel_state.get_data_parallel_world_size())

@@ -1,0 +1,83 @@
+"""Metrics to ``<run.dir>/metrics.jsonl`` and Weights & Biases, from the rank holding the loss.
+
+Only one rank logs: the first tensor- and data-parallel rank of the last pipeline stage, where
+the loss lives. wandb is imported lazily, so a disabled run never touches it. A resumed run
+reuses the W&B run id stored in the run folder and so continues the same W&B run.
+Readers of metrics.jsonl should take the last record of each step: after a crash, the steps
+between the last checkpoint and the crash are trained again and logged a second time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import uuid
+from pathlib import Path
+
+from megatron.core import parallel_state
+
+from pretrain.config import Config
+
+log = logging.getLogger("pretrain")
+
+
+def is_logging_rank() -> bool:
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """``auto`` means online when credentials exist (WANDB_API_KEY or a netrc entry)."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+class MetricsLogger:
+    def __init__(self, config: Config, run_dir: Path, extra_config: dict):
+        self.active = is_logging_rank()
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb_run = None
+        if not self.active:
+            return
+        mode = resolve_wandb_mode(config.logging.wandb_mode)
+        if mode == "disabled":
+            return
+        for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
+                         ("WANDB_DATA_DIR", "data")):
+            os.environ.setdefault(var, str(run_dir / "wandb" / sub))
+        import wandb
+
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        id_file.write_text(run_id)
+        lg = config.logging
+        self.wandb_run = wandb.init(
+            project=lg.project, entity=lg.entity or None, group=lg.group or None,
+            name=lg.name or run_dir.name, id=run_id, resume="allow", mode=mode,
+            dir=str(run_dir), config={**config.to_dict(), **extra_config},
+        )
+        log.info("W&B run %s (%s) in %s", run_id, mode, self.wandb_run.dir)
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
+                               step=record["step"])
+
+    def finish(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()

@@ -1,0 +1,74 @@
+"""The run folder: created and checked before training, holding config and versions.
+
+    <run.dir>/config.toml       resolved config (config-resume-N.toml when a resume differs)
+    <run.dir>/versions.json     python, torch, megatron-core, git commit, world size
+    <run.dir>/metrics.jsonl     one JSON object per logged step (pretrain.metrics)
+    <run.dir>/checkpoints/      pretrain.checkpoint
+    <run.dir>/wandb/            W&B run files (offline runs sync with `wandb sync`)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from model.config import ConfigError
+from pretrain.config import Config
+
+
+def to_toml(config: Config) -> str:
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_metadata(parameters: int) -> dict:
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "megatron_core": version("megatron-core"), "git_commit": commit or "unknown",
+        "world_size": dist.get_world_size(), "parameters": parameters,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+def prepare_run_dir(run_dir: Path, config: Config, parameters: int) -> None:
+    """Create the folder (rank 0), fail clearly if it is not writable, record the config."""
+    if dist.get_rank() == 0:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            probe = run_dir / ".write-probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"run.dir '{run_dir}' is not writable: {err.strerror}") from None
+        text = to_toml(config)
+        target = run_dir / "config.toml"
+        index = 1
+        while target.exists() and target.read_text() != text:
+            target = run_dir / f"config-resume-{index}.toml"
+            index += 1
+        target.write_text(text)
+        (run_dir / "versions.json").write_text(json.dumps(run_metadata(parameters), indent=2))
+    dist.barrier()

@@ -1,0 +1,78 @@
+"""A small real-text corpus, tokenizer and dataset, and a CLI runner, for the pretrain tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import pydoc_data.topics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A tiny model: the demo's scheme at a size that trains in seconds on 2 cores.
+TINY = [
+    "--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4",
+    "--model.ffn_hidden_size=128", "--model.seq_length=32", "--model.vocab_size=512",
+    "--data.micro_batch_size=4", "--data.global_batch_size=8",
+    "--optim.lr=3e-3", "--optim.warmup_steps=2", "--run.eval_iters=2",
+    "--run.log_interval=1", "--logging.wandb_mode=disabled",
+]
+
+
+def make_corpus(folder: Path) -> dict[str, str]:
+    """Python's own documentation topics (always installed) as a JSONL corpus, then a 512-token
+    tokenizer and a Megatron dataset made through the real CLI."""
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "topics.jsonl"
+    with corpus.open("w") as f:
+        for text in pydoc_data.topics.topics.values():
+            f.write(json.dumps({"text": text}) + "\n")
+    cli("train-tokenizer", str(corpus), "--output", str(folder / "tok"), "--vocab-size", "512")
+    cli("prepare-data", str(corpus), "--tokenizer", str(folder / "tok.model"),
+        "--output", str(folder / "topics"))
+    return {"corpus": str(corpus), "tokenizer": str(folder / "tok.model"),
+            "prefix": str(folder / "topics")}
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    out.pop("WORLD_SIZE", None)
+    out.pop("RANK", None)
+    return out
+
+
+def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,
+        timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m pretrain ARGS`` (through torchrun with ``nproc`` ranks when > 1)."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "pretrain", *args]
+    else:
+        cmd = [sys.executable, "-m", "pretrain", *args]
+    done = subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True,
+                          text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+def train_args(data: dict, run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(REPO / "configs" / "demo-cpu.toml"), *TINY,
+            f"--data.prefixes=[\"{data['prefix']}\"]", f"--data.tokenizer={data['tokenizer']}",
+            f"--run.dir={run_dir}", *extra]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Training loss per step (the last record of each step wins, see pretrain.metrics)."""
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    return [r["val_loss"] for r in metrics(run_dir) if "val_loss" in r]
