@@ -28,7 +28,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 
 from model.checkpoint import load_model, model_sharded_state_dict
 from model.config import ConfigError
-from pretrain.optim import untie_adam_steps
+from pretrain.optim import load_state, prime_state
 
 COMPLETE = "complete.json"
 # The distributed optimizer's state in its per-parameter (canonical) form, so a checkpoint
@@ -144,6 +144,7 @@ def load(directory: Path, chunks, optimizer, scheduler) -> int:
     if not (directory / COMPLETE).is_file():
         raise ConfigError(f"checkpoint '{directory}' is not a complete checkpoint "
                           f"(no {COMPLETE})")
+    prime_state(optimizer)
     try:
         sharded = _sharded_state(chunks, optimizer, scheduler, 0, loading=True)
         state = dist_checkpointing.load(sharded, str(directory))
@@ -152,8 +153,7 @@ def load(directory: Path, chunks, optimizer, scheduler) -> int:
     for index, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{index}"
         getattr(chunk, "module", chunk).load_state_dict(state[key])
-    optimizer.load_state_dict(state["optimizer"])
-    untie_adam_steps(optimizer)
+    load_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved_world = json.loads((directory / COMPLETE).read_text())["world_size"]
     if saved_world == dist.get_world_size():  # RNG streams are per rank of one layout

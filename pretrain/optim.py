@@ -31,14 +31,50 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
     return optimizer, scheduler
 
 
-def untie_adam_steps(optimizer) -> None:
-    """After a checkpoint load every parameter's Adam ``step`` is the same tensor object;
-    an in-place increment would then advance all of them once per parameter and skew bias
-    correction. Give each parameter its own copy."""
+def _torch_optimizers(optimizer):
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if torch_optimizer is None:
-            continue
+        if getattr(inner, "optimizer", None) is not None:
+            yield inner, inner.optimizer
+
+
+def prime_state(optimizer) -> None:
+    """Give every parameter an (all-zero) Adam state before a checkpoint load.
+
+    megatron derives the optimizer's load template from its current state, which is empty
+    until the first step, and it asserts that all parameters share one ``step`` value."""
+    for inner, torch_optimizer in _torch_optimizers(optimizer):
+        inner.init_state_fn(torch_optimizer, inner.config)
         for state in torch_optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def load_state(optimizer, state_dict: dict) -> None:
+    """Load an optimizer state saved in the fully reshardable format.
+
+    Two megatron 0.19 quirks on the torch-Adam path (no apex/TE): the per-parameter copy also
+    visits torch Adam's ``step``, which this format stores once per param group, not per
+    parameter (KeyError); and afterwards every parameter's ``step`` is the same tensor, so an
+    in-place increment would advance it once per parameter. ``step`` is set aside during the
+    copy and given back to each parameter as its own tensor."""
+    patched = []
+    for inner, _ in _torch_optimizers(optimizer):
+        load_params = getattr(inner, "load_parameter_state_from_fully_reshardable", None)
+        if load_params is None:
+            continue
+
+        def without_steps(param_state, load_params=load_params, inner=inner):
+            state = inner.optimizer.state  # replaced by the load that precedes this call
+            steps = {p: s.pop("step") for p, s in state.items() if "step" in s}
+            try:
+                load_params(param_state)
+            finally:
+                for param, step in steps.items():
+                    state[param]["step"] = step.detach().clone()
+
+        inner.load_parameter_state_from_fully_reshardable = without_steps
+        patched.append(inner)
+    try:
+        optimizer.load_state_dict(state_dict)
+    finally:
+        for inner in patched:
+            del inner.load_parameter_state_from_fully_reshardable

@@ -1,13 +1,23 @@
 """sentencepiece tokenizers: training from text/JSONL, and the object megatron's datasets use.
 
 Special ids are fixed: unk 0, bos 1, eos 2, pad 3. ``eos`` is the end-of-document token (EOD)
-written between documents. Training uses identity normalisation, keeps whitespace as is and
-falls back to bytes, so ``decode(encode(text)) == text`` for any UTF-8 text.
+written after every document; pad gets its own id because megatron masks the loss wherever a
+label equals ``tokenizer.pad`` and would otherwise fall back to a sentinel.
+
+Training keeps text exactly as it is (identity normalisation, no whitespace folding, whitespace
+runs may become pieces) and falls back to UTF-8 bytes for unseen characters, so
+``decode(encode(text)) == text`` for any text. sentencepiece reads one line per training
+sentence, so a newline can never be learnt from data; it is a user-defined piece instead of
+being left to byte fallback, which gives it a readable piece of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +26,18 @@ import sentencepiece as spm
 from model.config import ConfigError
 
 UNK, BOS, EOS, PAD = 0, 1, 2, 3
+NEWLINE_PIECES = ["\n"]
+# 256 byte-fallback pieces, the 4 special ids and the newline must fit before any learnt piece.
+MIN_VOCAB_SIZE = 256 + 4 + len(NEWLINE_PIECES)
+MODEL_TYPES = ("bpe", "unigram")
+# sentencepiece holds its training sentences in memory; above this it samples (its own advice).
+MAX_TRAINING_SENTENCES = 5_000_000
+
+log = logging.getLogger(__name__)
 
 
-def _existing_file(path: str) -> Path:
+def require_data_file(path: str) -> Path:
+    """Check an input early so a typo fails before minutes of work, naming the file."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"data file '{path}' does not exist")
@@ -27,98 +46,188 @@ def _existing_file(path: str) -> Path:
     return file
 
 
-def iter_documents(path: str) -> Iterator[str]:
-    """Documents of a .jsonl/.json-lines file (the "text" field of each line) or of a text
-    file (paragraphs separated by blank lines)."""
-    file = _existing_file(path)
-    if file.suffix in (".jsonl", ".json"):
-        with file.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line).get("text")
-                except (json.JSONDecodeError, AttributeError):
-                    text = None
-                if not isinstance(text, str):
-                    raise ConfigError(f"data file '{path}' line {number} is not a JSON object "
-                                      "with a string \"text\" field")
-                yield text
-        return
+def _lines(path: str, file: Path) -> Iterator[tuple[int, str]]:
+    """(number, line) with line endings kept. Read as bytes so a bad byte is reported with its
+    exact line, and so "\\r" is never rewritten (the text must reach the tokenizer unchanged)."""
+    with file.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"data file '{path}' line {number} is not UTF-8") from None
+            yield number, line.removeprefix("\ufeff") if number == 1 else line
+
+
+def _json_documents(path: str, file: Path) -> Iterator[str]:
+    for number, line in _lines(path, file):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError(f"data file '{path}' line {number} is not a JSON object with a "
+                              "string \"text\" field")
+        yield text
+
+
+def _paragraphs(path: str, file: Path) -> Iterator[str]:
     paragraph: list[str] = []
-    with file.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                paragraph.append(line)
-            elif paragraph:
-                yield "".join(paragraph).rstrip("\n")
-                paragraph = []
+    for _, line in _lines(path, file):
+        if line.strip():
+            paragraph.append(line)
+        elif paragraph:
+            yield "".join(paragraph).rstrip("\r\n")
+            paragraph = []
     if paragraph:
-        yield "".join(paragraph).rstrip("\n")
+        yield "".join(paragraph).rstrip("\r\n")
+
+
+def iter_documents(path: str) -> Iterator[str]:
+    """Documents of ``path``, streamed: the "text" field of each line of a .jsonl/.json file,
+    or the blank-line-separated paragraphs of any other (text) file.
+
+    Empty "text" values are skipped: they would only add a lone EOD token. A file that yields
+    no document at all is an error, since it is almost always the wrong file.
+    """
+    file = require_data_file(path)
+    is_json = file.suffix.lower() in (".jsonl", ".json")
+    count = 0
+    for document in (_json_documents if is_json else _paragraphs)(path, file):
+        if document:
+            count += 1
+            yield document
+    if count == 0:
+        raise ConfigError(f"data file '{path}' has no documents")
+
+
+def _training_error(err: RuntimeError, inputs: list[str], vocab_size: int) -> str:
+    """sentencepiece's message on one line, without its source location. Too small a vocabulary
+    is reworded: its advice (lower character_coverage) is not an option here."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = text.rsplit("] ", 1)[-1]
+    needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", text)
+    if needed:
+        return (f"tokenizer vocab_size ({vocab_size}) must be >= {needed.group(1)} for {inputs} "
+                "(byte pieces, special ids and every distinct character)")
+    return f"tokenizer training on {inputs} failed: {text}"
+
+
+def _require_new(*paths: Path) -> None:
+    for path in paths:
+        if path.exists():
+            raise ConfigError(f"tokenizer file '{path}' already exists; choose another --output")
 
 
 def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
                     model_type: str = "bpe") -> str:
-    """Train a BPE or unigram model on the documents of ``inputs``; returns the .model path."""
-    model_path = Path(f"{output_prefix}.model")
-    if model_path.exists():
-        raise ConfigError(f"tokenizer '{model_path}' already exists; choose another --output")
-    if vocab_size < 32:
-        raise ConfigError(f"tokenizer vocab_size ({vocab_size}) must be >= 32")
-    if model_type not in ("bpe", "unigram"):
-        raise ConfigError(f"tokenizer model_type ({model_type!r}) must be bpe or unigram")
+    """Train a BPE or unigram model on the documents of ``inputs``; returns the .model path.
+
+    Writes ``<output_prefix>.model`` and ``.vocab`` under temporary names first and refuses to
+    replace existing ones, so an earlier tokenizer (and data tokenised with it) stays valid.
+    ``vocab_size`` is a ceiling: unigram on a small corpus may stop below it.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"tokenizer model_type ({model_type!r}) must be one of {MODEL_TYPES}")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ConfigError(f"tokenizer vocab_size ({vocab_size}) must be >= {MIN_VOCAB_SIZE} "
+                          "(256 byte pieces, 4 special ids, newline)")
+    model_path, vocab_path = Path(f"{output_prefix}.model"), Path(f"{output_prefix}.vocab")
+    _require_new(model_path, vocab_path)
     for path in inputs:
-        _existing_file(path)
+        require_data_file(path)
+    failures: list[BaseException] = []
 
     def sentences() -> Iterator[str]:
-        for path in inputs:
-            for doc in iter_documents(path):
-                yield from (line for line in doc.split("\n") if line)
+        # sentencepiece turns an exception raised here into a bare RuntimeError; keep the
+        # original (e.g. a ConfigError naming a bad JSONL line) to re-raise it unchanged.
+        try:
+            for path in inputs:
+                for document in iter_documents(path):
+                    yield from (line for line in document.split("\n") if line)
+        except BaseException as err:
+            failures.append(err)
+            raise
 
     model_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = f"{output_prefix}.tmp{os.getpid()}"
+    tmp_model, tmp_vocab = Path(f"{tmp_prefix}.model"), Path(f"{tmp_prefix}.vocab")
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=sentences(), model_prefix=output_prefix, vocab_size=vocab_size,
+            sentence_iterator=sentences(), model_prefix=tmp_prefix, vocab_size=vocab_size,
             model_type=model_type, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, byte_fallback=True, split_digits=True,
-            character_coverage=1.0, allow_whitespace_only_pieces=True,
-            user_defined_symbols=["\n", "\t"], unk_id=UNK, bos_id=BOS, eos_id=EOS,
-            pad_id=PAD, hard_vocab_limit=False, minloglevel=2,
+            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+            byte_fallback=True, split_digits=True, character_coverage=1.0,
+            user_defined_symbols=NEWLINE_PIECES, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            pad_id=PAD, hard_vocab_limit=False, input_sentence_size=MAX_TRAINING_SENTENCES,
+            shuffle_input_sentence=True, minloglevel=2,
         )
+        _require_new(model_path, vocab_path)
+        os.replace(tmp_vocab, vocab_path)
+        os.replace(tmp_model, model_path)
     except RuntimeError as err:
-        raise ConfigError(f"tokenizer training failed: {str(err).splitlines()[0]}") from None
+        if failures:
+            raise failures[0] from None
+        raise ConfigError(_training_error(err, inputs, vocab_size)) from None
+    finally:
+        tmp_model.unlink(missing_ok=True)
+        tmp_vocab.unlink(missing_ok=True)
+    size = Tokenizer(str(model_path)).vocab_size
+    if size != vocab_size:
+        log.warning("tokenizer %s has %d pieces (asked for %d): the corpus supports no more",
+                    model_path, size, vocab_size)
     return str(model_path)
 
 
 class Tokenizer:
-    """A trained sentencepiece model, shaped as megatron's GPTDataset expects (``eod``,
-    ``pad``, ``vocab_size``, ``unique_identifiers``)."""
+    """A sentencepiece model with the attributes megatron's GPTDataset reads: ``eod`` (document
+    boundaries), ``pad`` (loss masking of padded labels), ``vocab_size`` (token dtype code) and
+    ``unique_identifiers`` (part of the hash naming megatron's index cache). The identifier is
+    the model's content hash, so moving the file keeps the cache and replacing it does not."""
 
     def __init__(self, model_file: str):
         path = Path(model_file)
         if not path.is_file():
             raise ConfigError(f"tokenizer '{model_file}' does not exist")
-        self.processor = spm.SentencePieceProcessor()
         try:
-            self.processor.Load(str(path))
+            proto = path.read_bytes()
+            self.processor = spm.SentencePieceProcessor(model_proto=proto)
         except (OSError, RuntimeError):
             raise ConfigError(f"tokenizer '{model_file}' is not a sentencepiece model") from None
-        self.unique_identifiers = {"class": type(self).__name__, "model": str(path.resolve())}
+        if self.processor.eos_id() < 0:
+            raise ConfigError(f"tokenizer '{model_file}' has no eos piece (the end-of-document "
+                              "token)")
+        self.path = str(path)
+        self.unique_identifiers = {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+                                   "model_sha256": hashlib.sha256(proto).hexdigest()}
 
     @property
     def vocab_size(self) -> int:
-        return self.processor.GetPieceSize()
+        return self.processor.get_piece_size()
 
     @property
     def eod(self) -> int:
         return self.processor.eos_id()
 
     @property
+    def eos(self) -> int:
+        return self.processor.eos_id()
+
+    @property
+    def bos(self) -> int:
+        return self.processor.bos_id()
+
+    @property
     def pad(self) -> int:
+        """-1 for models trained elsewhere without a pad piece: megatron's own "no pad" value."""
         return self.processor.pad_id()
 
     def encode(self, text: str) -> list[int]:
-        return self.processor.EncodeAsIds(text)
+        """Token ids of ``text``, without bos/eos (EOD is appended by data preparation)."""
+        return self.processor.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.processor.DecodeIds(list(ids))
+    def decode(self, ids) -> str:
+        """Text of ``ids`` (a list, numpy array or tensor of ints)."""
+        return self.processor.decode([int(i) for i in ids])

@@ -1,0 +1,158 @@
+"""End-to-end pretraining through the real CLI: training, resume, parallel layouts, W&B."""
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pretrain_fixtures import (
+    REPO,
+    cli,
+    env,
+    make_corpus,
+    metrics,
+    train_args,
+    train_losses,
+    val_losses,
+)
+from tests.wandb_reader import read_run
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """An uninterrupted single-process run of STEPS steps."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    cli(*train_args(data, run, f"--run.steps={STEPS}", "--run.eval_interval=100"))
+    return run
+
+
+def test_training_lowers_validation_loss_and_fills_run_folder(data, reference):
+    first, last = val_losses(reference)[0], val_losses(reference)[-1]
+    assert last < first - 0.1, (first, last)
+    steps = [r for r in metrics(reference) if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for key in ("consumed_tokens", "lr", "grad_norm", "tokens_per_s"):
+        assert all(math.isfinite(r[key]) for r in steps), key
+    assert steps[-1]["consumed_tokens"] == STEPS * 8 * 32
+    assert (reference / "config.toml").is_file() and (reference / "versions.json").is_file()
+    assert (reference / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
+
+
+def test_eval_command_reports_checkpoint_perplexity(data, reference):
+    done = cli("eval", "--config", str(Path(reference) / "config.toml"),
+               "--checkpoint", str(reference / "checkpoints"))
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["checkpoint"].endswith(f"step_{STEPS:08d}")
+    assert result["val_ppl"] == pytest.approx(math.exp(result["val_loss"]))
+    assert result["val_loss"] == pytest.approx(val_losses(reference)[-1], rel=1e-6)
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run / "metrics.jsonl").is_file() and any(
+                r.get("step", 0) >= step and "loss" in r for r in metrics(run)):
+            return
+        assert proc.poll() is None, "the run ended before it could be signalled"
+        time.sleep(0.2)
+    raise AssertionError(f"run never reached step {step}")
+
+
+def test_sigterm_then_resume_reproduces_every_loss(data, reference, tmp_path):
+    run = tmp_path / "run"
+    args = train_args(data, run, f"--run.steps={STEPS}", "--run.eval_interval=100")
+    log = tmp_path / "stopped.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["python", "-m", "pretrain", *args], cwd=REPO, env=env(),
+                                stdout=out, stderr=out)
+        _wait_for_step(run, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    stopped_at = int((run / "checkpoints" / "latest").read_text().split("_")[1])
+    assert 2 <= stopped_at < STEPS
+    cli(*args)
+    assert train_losses(run) == train_losses(reference)  # exact, step by step
+
+
+def test_sigkill_during_save_resumes_from_previous_checkpoint(data, reference, tmp_path):
+    run = tmp_path / "run"
+    args = train_args(data, run, f"--run.steps={STEPS}", "--run.eval_interval=100",
+                      "--run.save_interval=3")
+    # Its own session: megatron's checkpoint writer leaves a helper process that outlives a
+    # SIGKILLed parent (on a cluster the job's cgroup reaps it); the test reaps the group.
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = subprocess.Popen(["python", "-m", "pretrain", *args], cwd=REPO, stdout=log,
+                                stderr=log, start_new_session=True,
+                                env=env(PRETRAIN_FAULT_KILL_IN_SAVE="6"))
+        code = proc.wait(timeout=240)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000003"
+    assert (ckpts / ".step_00000006.tmp").is_dir()  # the half-written save
+    cli(*args)
+    assert train_losses(run) == train_losses(reference)
+    assert not (ckpts / ".step_00000006.tmp").exists()
+
+
+@pytest.mark.slow
+def test_tp2_pp2_match_single_process_and_checkpoints_reshard(data, reference, tmp_path):
+    """From the same weights, TP=2 and PP=2 (gloo) follow the single-process losses; a TP=2
+    checkpoint resumes at TP=1 and at PP=2 with the same losses."""
+    init = f"--run.init_from={reference / 'checkpoints'}"
+    common = ["--run.steps=6", "--run.eval_iters=0", "--run.save_interval=3", init]
+    runs = {}
+    for name, layout, nproc in (("single", [], 1), ("tp2", ["--parallel.tp=2"], 2),
+                                ("pp2", ["--parallel.pp=2"], 2)):
+        runs[name] = tmp_path / name
+        cli(*train_args(data, runs[name], *common, *layout), nproc=nproc)
+    single = train_losses(runs["single"])
+    for name in ("tp2", "pp2"):
+        other = train_losses(runs[name])
+        assert other.keys() == single.keys()
+        for step, loss in single.items():
+            assert other[step] == pytest.approx(loss, rel=1e-5), (name, step)
+    # Resume the TP=2 run's step-3 checkpoint under TP=1 and under PP=2.
+    tp2 = train_losses(runs["tp2"])
+    for name, layout, nproc in (("tp1", [], 1), ("pp2", ["--parallel.pp=2"], 2)):
+        run = tmp_path / f"resume-{name}"
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(runs["tp2"] / "checkpoints" / "step_00000003",
+                        run / "checkpoints" / "step_00000003")
+        cli(*train_args(data, run, *common, *layout), nproc=nproc)
+        resumed = train_losses(run)
+        assert sorted(resumed) == [4, 5, 6]
+        for step in (4, 5, 6):
+            assert resumed[step] == pytest.approx(tp2[step], rel=1e-5), (name, step)
+
+
+def test_wandb_offline_run_holds_metrics_and_resume_continues_it(data, tmp_path):
+    run = tmp_path / "run"
+    base = ["--logging.wandb_mode=offline", "--run.eval_interval=100"]
+    cli(*train_args(data, run, "--run.steps=3", *base))
+    cli(*train_args(data, run, "--run.steps=5", *base))  # resumes from step 3
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2
+    assert len({f.name for f in files}) == 1, "the resumed run must reuse the W&B run id"
+    config, history = read_run(files[0])
+    assert config["model"]["residual_scheme"] == "siamese"
+    logged = {row["_step"]: row["loss"] for row in history if "loss" in row}
+    expected = train_losses(run)
+    assert logged == {s: expected[s] for s in (1, 2, 3)}
+    _, resumed = read_run(files[1])
+    assert {row["_step"] for row in resumed if "loss" in row} == {4, 5}

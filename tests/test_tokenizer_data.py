@@ -1,0 +1,293 @@
+"""Tokenizer training, data preparation and Megatron indexed-dataset compatibility (CPU, fast).
+
+The corpus is a few hundred generated sentences, so sentencepiece trains in well under a second;
+the files megatron-core's own builder writes stand in for Megatron-LM preprocessed data.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.utils import Split
+
+from model.config import ConfigError
+from pretrain import prepare
+from pretrain.prepare import check_dataset, prepare_data
+from pretrain.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    UNK,
+    Tokenizer,
+    iter_documents,
+    train_tokenizer,
+)
+
+VOCAB = 400
+TRICKY = [
+    "",
+    "hello world",
+    "line one\nline two\n\n\nafter blank lines\n",
+    "  two  spaces   three   ",
+    "\ttab\t\tstart and end\t",
+    "naïve café — 漢字 😀",
+    " \n \n ",
+    "windows\r\nline\rends",
+    "no\u00a0break and zero\u200bwidth",
+    "ﬁ ligature, Å vs Å (NFC vs NFD)",
+    "control \x00\x01\x7f chars",
+    "digits 1234567890 and 3.14159",
+]
+
+
+def _corpus(rng: random.Random, paragraphs: int = 120) -> list[str]:
+    """English-like paragraphs (1-4 sentences) from a seeded random word list."""
+    syllables = ["ka", "lo", "mi", "ther", "an", "st", "ing", "ed", "or", "qu", "ve", "tion"]
+    words = ["the", "a", "of", "and", "to", "in", "is", "was", "for", "on"]
+    words += ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(150)]
+    documents = []
+    for _ in range(paragraphs):
+        sentences = []
+        for _ in range(rng.randint(1, 4)):
+            sentence = " ".join(rng.choices(words, k=rng.randint(3, 14)))
+            if rng.random() < 0.2:
+                sentence += f" {rng.randint(0, 99999)}"
+            sentences.append(sentence.capitalize() + rng.choice(".!?;,"))
+        documents.append((" " if rng.random() < 0.5 else "\n").join(sentences))
+    return documents
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
+    folder = tmp_path_factory.mktemp("corpus")
+    documents = _corpus(random.Random(1234))
+    path = folder / "corpus.txt"
+    path.write_text("\n\n".join(documents) + "\n", encoding="utf-8")
+    return path, documents
+
+
+@pytest.fixture(scope="module")
+def tokenizers(corpus, tmp_path_factory) -> dict[str, Tokenizer]:
+    folder = tmp_path_factory.mktemp("tokenizers")
+    return {kind: Tokenizer(train_tokenizer([str(corpus[0])], str(folder / kind), VOCAB, kind))
+            for kind in ("bpe", "unigram")}
+
+
+def _raises(match: str, call, *args, **kwargs) -> str:
+    """The ConfigError message, checked to be one line containing ``match``."""
+    with pytest.raises(ConfigError) as info:
+        call(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert match in message, message
+    return message
+
+
+def _megatron_dataset(prefix: Path, documents: list[list[list[int]]], dtype) -> None:
+    """Write a dataset the way Megatron-LM's preprocess_data.py does: one add_document per
+    document, each made of one or more sequences."""
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for sequences in documents:
+        flat = torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64)
+        builder.add_document(flat, [len(seq) for seq in sequences])
+    builder.finalize(f"{prefix}.idx")
+
+
+# --- tokenizer ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_round_trip_is_exact(tokenizers, kind):
+    tok = tokenizers[kind]
+    assert (UNK, BOS, EOS, PAD) == (0, 1, 2, 3)
+    assert (tok.eod, tok.eos, tok.bos, tok.pad) == (EOS, EOS, BOS, PAD)
+    assert 261 < tok.vocab_size <= VOCAB
+    for text in TRICKY:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text, (kind, text)
+        assert all(0 <= i < tok.vocab_size for i in ids)
+        assert tok.eod not in ids and tok.bos not in ids  # no specials added by encode
+    pieces = [tok.processor.id_to_piece(i) for i in tok.encode("a\nb")]
+    assert "\n" in pieces  # one piece of its own, not byte fallback
+    assert tok.decode(np.array(tok.encode("numpy ids"))) == "numpy ids"
+
+
+def test_tokenizer_pickles_and_identifies_by_content(tokenizers, tmp_path):
+    tok = tokenizers["bpe"]
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode("some text") == tok.encode("some text")
+    moved = tmp_path / "moved.model"
+    moved.write_bytes(Path(tok.path).read_bytes())
+    assert Tokenizer(str(moved)).unique_identifiers == tok.unique_identifiers
+    assert tokenizers["unigram"].unique_identifiers != tok.unique_identifiers
+    json.dumps(tok.unique_identifiers)  # megatron hashes it as JSON
+
+
+def test_iter_documents(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_bytes("\ufefffirst  para\nsame para\r\n \t\nsecond\n\n\n\nthird\n".encode())
+    assert list(iter_documents(str(txt))) == ["first  para\nsame para", "second", "third"]
+    jsonl = tmp_path / "b.jsonl"
+    lines = [{"text": "one\n two"}, {"text": ""}, {"text": "three", "id": 3}]
+    jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n", encoding="utf-8")
+    assert list(iter_documents(str(jsonl))) == ["one\n two", "three"]
+
+
+# --- prepare-data and megatron compatibility ----------------------------------------------
+
+
+def test_prepare_data_reads_back(tokenizers, corpus, tmp_path, monkeypatch):
+    path, documents = corpus
+    tok = tokenizers["bpe"]
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text(json.dumps({"text": "naïve café\n\tend"}) + "\n", encoding="utf-8")
+    inputs, documents = [str(path), str(extra)], documents + ["naïve café\n\tend"]
+    monkeypatch.setattr(prepare, "BATCH_DOCUMENTS", 16)  # several batches in flight
+    one = prepare_data(inputs, tok.path, str(tmp_path / "w1"), workers=1)
+    two = prepare_data(inputs, tok.path, str(tmp_path / "w2"), workers=2)
+    expected = [tok.encode(doc) + [tok.eod] for doc in documents]
+    assert one == {"documents": len(documents), "tokens": sum(map(len, expected)),
+                   "dtype": "uint16", "prefix": str(tmp_path / "w1")}
+    assert two["tokens"] == one["tokens"]
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "extra.jsonl", "w1.bin", "w1.idx", "w2.bin", "w2.idx"]  # no temporary files left
+    dataset = IndexedDataset(str(tmp_path / "w1"))
+    assert dataset.index.dtype == DType.optimal_dtype(tok.vocab_size) == np.uint16
+    assert len(dataset) == len(dataset.index.document_indices) - 1 == len(documents)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == expected
+    assert check_dataset(str(tmp_path / "w1"), tok.vocab_size) == len(documents)
+
+
+def test_gpt_dataset_accepts_tokenizer(tokenizers, corpus, tmp_path):
+    tok = tokenizers["unigram"]
+    prefix = str(tmp_path / "data")
+    prepare_data([str(corpus[0])], tok.path, prefix)
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=32, blend=None, blend_per_split=[([prefix], None)] * 3,
+        split=None, path_to_cache=str(tmp_path / "cache"), tokenizer=tok,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False, mid_level_dataset_surplus=0.05)
+    indexed = IndexedDataset(prefix)
+    documents = np.arange(len(indexed), dtype=np.int32)
+    dataset = GPTDataset(indexed, prefix, documents, 8, Split.train, config)
+    sample = dataset[0]
+    assert sample["tokens"].shape == sample["labels"].shape == (32,)
+    assert int(sample["tokens"].max()) < tok.vocab_size
+    assert dataset._pad_token_id == tok.pad  # megatron kept our pad: distinct from eod
+    assert tok.unique_identifiers["model_sha256"] in dataset.unique_description
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_builder_files_pass_check(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    vocab = 70_000 if dtype == np.int32 else 500
+    documents = [[rng.integers(0, vocab, rng.integers(1, 20)).tolist()
+                  for _ in range(rng.integers(1, 4))] for _ in range(25)]
+    prefix = tmp_path / "megatron"
+    _megatron_dataset(prefix, documents, dtype)
+    assert check_dataset(str(prefix), vocab) == len(documents)
+    dataset = IndexedDataset(str(prefix))
+    assert dataset.index.dtype == dtype
+    sequences = [seq for doc in documents for seq in doc]
+    assert [dataset[i].tolist() for i in range(len(dataset))] == sequences
+
+
+def test_token_dtype_follows_megatron(tokenizers, corpus, tmp_path, monkeypatch):
+    assert DType.optimal_dtype(VOCAB) == DType.optimal_dtype(65_499) == np.uint16
+    assert DType.optimal_dtype(65_500) == DType.optimal_dtype(128_256) == np.int32
+    tok = tokenizers["bpe"]
+    monkeypatch.setattr(Tokenizer, "vocab_size", property(lambda self: 128_256))
+    summary = prepare_data([str(corpus[0])], tok.path, str(tmp_path / "big"))
+    dataset = IndexedDataset(str(tmp_path / "big"))
+    assert summary["dtype"] == "int32" and dataset.index.dtype == np.int32
+    assert dataset[0].tolist() == tok.encode(corpus[1][0]) + [tok.eod]
+
+
+# --- user mistakes -------------------------------------------------------------------------
+
+
+def test_bad_inputs(tmp_path, tokenizers):
+    model, prefix = tokenizers["bpe"].path, str(tmp_path / "out")
+    missing = str(tmp_path / "missing.txt")
+    _raises(f"data file '{missing}' does not exist", train_tokenizer, [missing], prefix, VOCAB)
+    _raises(f"data file '{missing}' does not exist", prepare_data, [missing], model, prefix)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    _raises(f"data file '{empty}' is empty", prepare_data, [str(empty)], model, prefix)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\t\n")
+    _raises(f"data file '{blank}' has no documents", prepare_data, [str(blank)], model, prefix)
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text('{"text": "fine"}\n{"title": "no text"}\n')
+    expected = f"data file '{jsonl}' line 2 is not a JSON object with a string \"text\" field"
+    _raises(expected, prepare_data, [str(jsonl)], model, prefix)
+    _raises(expected, train_tokenizer, [str(jsonl)], prefix, VOCAB)  # raised inside spm
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes(b"fine\ncaf\xe9\n")
+    _raises(f"data file '{binary}' line 2 is not UTF-8", prepare_data, [str(binary)], model,
+            prefix)
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_bad_training_settings(tmp_path, corpus):
+    data, prefix = [str(corpus[0])], str(tmp_path / "tok")
+    _raises("tokenizer vocab_size (50) must be >= 261", train_tokenizer, data, prefix, 50)
+    _raises("tokenizer vocab_size (270) must be >= ", train_tokenizer, data, prefix, 270)
+    _raises("tokenizer model_type ('wordpiece')", train_tokenizer, data, prefix, VOCAB,
+            "wordpiece")
+    _raises("prepare-data workers (0) must be >= 1", prepare_data, data, "x.model", prefix, 0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_outputs_are_never_overwritten(tmp_path, corpus, tokenizers):
+    data, model = [str(corpus[0])], tokenizers["bpe"].path
+    cases = [("a", "tok.model", train_tokenizer, (data, str(tmp_path / "a" / "tok"), VOCAB)),
+             ("b", "tok.vocab", train_tokenizer, (data, str(tmp_path / "b" / "tok"), VOCAB)),
+             ("c", "set.bin", prepare_data, (data, model, str(tmp_path / "c" / "set"))),
+             ("d", "set.idx", prepare_data, (data, model, str(tmp_path / "d" / "set")))]
+    for folder, name, call, args in cases:
+        existing = tmp_path / folder / name
+        existing.parent.mkdir()
+        existing.write_bytes(b"precious bytes")
+        _raises(f"'{existing}' already exists", call, *args)
+        assert existing.read_bytes() == b"precious bytes"
+        assert list(existing.parent.iterdir()) == [existing]
+
+
+def test_bad_tokenizer_model(tmp_path, corpus):
+    missing = str(tmp_path / "none.model")
+    _raises(f"tokenizer '{missing}' does not exist", Tokenizer, missing)
+    _raises(f"tokenizer '{missing}' does not exist", prepare_data, [str(corpus[0])], missing,
+            str(tmp_path / "out"))
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(300)))
+    _raises(f"tokenizer '{garbage}' is not a sentencepiece model", Tokenizer, str(garbage))
+
+
+def test_bad_datasets(tmp_path):
+    prefix = tmp_path / "data"
+    _megatron_dataset(prefix, [[[5, 499, 7]], [[1, 2]]], np.uint16)
+    _raises(f"data prefix '{prefix}' has token id 499 >= tokenizer vocab_size 300",
+            check_dataset, str(prefix), 300)
+    assert check_dataset(str(prefix), 500) == 2
+    bin_bytes = (tmp_path / "data.bin").read_bytes()
+    (tmp_path / "data.bin").write_bytes(bin_bytes[:-2])
+    _raises(f"data file '{prefix}.bin' has 8 bytes but '{prefix}.idx' describes 10",
+            check_dataset, str(prefix), 500)
+    (tmp_path / "data.idx").write_bytes(b"not an index at all")
+    _raises(f"data prefix '{prefix}' is not a readable Megatron indexed dataset",
+            check_dataset, str(prefix), 500)
+    (tmp_path / "data.idx").unlink()
+    _raises(f"data file '{prefix}.idx' does not exist", check_dataset, str(prefix), 500)
+    _raises(f"data file '{tmp_path}/none.bin' does not exist", check_dataset,
+            str(tmp_path / "none"), 500)
