@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from torch.distributed.checkpoint.api import CheckpointException
 
 from model.checkpoint import load_model, model_sharded_state_dict
 from model.config import ConfigError
@@ -34,6 +35,8 @@ COMPLETE = "complete.json"
 # The distributed optimizer's state in its per-parameter (canonical) form, so a checkpoint
 # reshards across TP/PP/DP; megatron 0.19 no longer writes its older flattened format.
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# torch.distributed.checkpoint wraps read errors in CheckpointException, a BaseException.
+LOAD_ERRORS = (Exception, CheckpointException)
 # Tests set this to a step number to SIGKILL the process in the middle of that step's save.
 FAULT_KILL_IN_SAVE = "PRETRAIN_FAULT_KILL_IN_SAVE"
 
@@ -134,7 +137,7 @@ def load_weights(path: Path, chunks) -> Path:
         raise ConfigError(f"checkpoint folder '{path}' holds no complete checkpoint")
     try:
         load_model(chunks, str(found))
-    except Exception as err:  # megatron raises many types for a damaged checkpoint
+    except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
         raise _load_error(found, err) from None
     return found
 
@@ -148,7 +151,7 @@ def load(directory: Path, chunks, optimizer, scheduler) -> int:
     try:
         sharded = _sharded_state(chunks, optimizer, scheduler, 0, loading=True)
         state = dist_checkpointing.load(sharded, str(directory))
-    except Exception as err:  # megatron raises many types for a damaged checkpoint
+    except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
         raise _load_error(directory, err) from None
     for index, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{index}"

@@ -32,6 +32,10 @@ MIN_VOCAB_SIZE = 256 + 4 + len(NEWLINE_PIECES)
 MODEL_TYPES = ("bpe", "unigram")
 # sentencepiece holds its training sentences in memory; above this it samples (its own advice).
 MAX_TRAINING_SENTENCES = 5_000_000
+# sentencepiece silently skips training sentences longer than max_sentence_length bytes, which
+# would drop most of a corpus of long unbroken lines; lines are cut to fit instead (4 bytes is
+# the longest UTF-8 character).
+SENTENCE_CHARS = 1024
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +107,19 @@ def iter_documents(path: str) -> Iterator[str]:
         raise ConfigError(f"data file '{path}' has no documents")
 
 
+def _training_sentences(document: str) -> Iterator[str]:
+    """The document's lines, long ones cut at a space (kept with the next piece, where it
+    belongs as "▁word") or, with no space, at the limit."""
+    for line in document.split("\n"):
+        while len(line) > SENTENCE_CHARS:
+            cut = line.rfind(" ", 1, SENTENCE_CHARS + 1)
+            cut = cut if cut > 0 else SENTENCE_CHARS
+            yield line[:cut]
+            line = line[cut:]
+        if line:
+            yield line
+
+
 def _training_error(err: RuntimeError, inputs: list[str], vocab_size: int) -> str:
     """sentencepiece's message on one line, without its source location. Too small a vocabulary
     is reworded: its advice (lower character_coverage) is not an option here."""
@@ -136,6 +153,8 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
                           "(256 byte pieces, 4 special ids, newline)")
     model_path, vocab_path = Path(f"{output_prefix}.model"), Path(f"{output_prefix}.vocab")
     _require_new(model_path, vocab_path)
+    if not inputs:
+        raise ConfigError("train-tokenizer needs at least one data file")
     for path in inputs:
         require_data_file(path)
     failures: list[BaseException] = []
@@ -146,7 +165,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
         try:
             for path in inputs:
                 for document in iter_documents(path):
-                    yield from (line for line in document.split("\n") if line)
+                    yield from _training_sentences(document)
         except BaseException as err:
             failures.append(err)
             raise
@@ -154,6 +173,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     model_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_prefix = f"{output_prefix}.tmp{os.getpid()}"
     tmp_model, tmp_vocab = Path(f"{tmp_prefix}.model"), Path(f"{tmp_prefix}.vocab")
+    spm.set_random_generator_seed(0)  # sampling of large corpora: same inputs, same tokenizer
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=sentences(), model_prefix=tmp_prefix, vocab_size=vocab_size,
@@ -162,7 +182,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
             byte_fallback=True, split_digits=True, character_coverage=1.0,
             user_defined_symbols=NEWLINE_PIECES, unk_id=UNK, bos_id=BOS, eos_id=EOS,
             pad_id=PAD, hard_vocab_limit=False, input_sentence_size=MAX_TRAINING_SENTENCES,
-            shuffle_input_sentence=True, minloglevel=2,
+            shuffle_input_sentence=True, max_sentence_length=4 * SENTENCE_CHARS, minloglevel=2,
         )
         _require_new(model_path, vocab_path)
         os.replace(tmp_vocab, vocab_path)

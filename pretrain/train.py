@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -110,8 +111,9 @@ def _model_parameters(chunks) -> int:
 
 def setup(config: Config):
     """Process groups, tokenizer and DDP-wrapped model; shared by training and evaluation."""
+    # Check the layout against the launch before megatron builds groups (it would assert).
+    validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     parallel.initialize(config.parallel, seed=config.run.seed)
-    validate(config, world_size=dist.get_world_size())
     tokenizer = Tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "

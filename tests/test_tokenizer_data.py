@@ -131,6 +131,15 @@ def test_tokenizer_pickles_and_identifies_by_content(tokenizers, tmp_path):
     json.dumps(tok.unique_identifiers)  # megatron hashes it as JSON
 
 
+def test_long_lines_are_learnt(corpus, tmp_path):
+    """sentencepiece silently drops training lines over max_sentence_length bytes; ours are cut
+    to fit, so text found only on a long line still shapes the vocabulary."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": " ".join(["Жук"] * 3000)}) + "\n", encoding="utf-8")
+    tok = Tokenizer(train_tokenizer([str(corpus[0]), str(data)], str(tmp_path / "t"), VOCAB))
+    assert [tok.processor.id_to_piece(i) for i in tok.encode("Жук")] == ["▁Жук"]
+
+
 def test_iter_documents(tmp_path):
     txt = tmp_path / "a.txt"
     txt.write_bytes("\ufefffirst  para\nsame para\r\n \t\nsecond\n\n\n\nthird\n".encode())
@@ -150,7 +159,7 @@ def test_prepare_data_reads_back(tokenizers, corpus, tmp_path, monkeypatch):
     extra = tmp_path / "extra.jsonl"
     extra.write_text(json.dumps({"text": "naïve café\n\tend"}) + "\n", encoding="utf-8")
     inputs, documents = [str(path), str(extra)], documents + ["naïve café\n\tend"]
-    monkeypatch.setattr(prepare, "BATCH_DOCUMENTS", 16)  # several batches in flight
+    monkeypatch.setattr(prepare, "CHUNK_DOCUMENTS", 7)  # many chunks in flight
     one = prepare_data(inputs, tok.path, str(tmp_path / "w1"), workers=1)
     two = prepare_data(inputs, tok.path, str(tmp_path / "w2"), workers=2)
     expected = [tok.encode(doc) + [tok.eod] for doc in documents]
