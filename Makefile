@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench lint
+.PHONY: setup test demo bench lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -11,6 +11,9 @@ $(VENV)/.installed: pyproject.toml scripts/install.sh
 
 test: setup
 	$(PY) -m pytest -q
+
+demo: setup
+	PYTHON=$(PY) bash scripts/demo.sh
 
 bench: setup
 	$(PY) -m bench.schemes

@@ -21,7 +21,16 @@ from pretrain.config import Config
 from pretrain.prepare import check_dataset
 
 
-def build_datasets(config: Config, tokenizer, train_samples: int, valid_samples: int):
+def sample_counts(config: Config) -> tuple[int, int]:
+    """Training and validation samples a run draws: every step's batch, and eval_iters
+    batches at each evaluation (the start, every eval_interval, the end). Evaluation of a
+    checkpoint asks for the same counts, so it sees exactly the validation set training saw."""
+    r, batch = config.run, config.data.global_batch_size
+    evaluations = r.steps // r.eval_interval + 2
+    return r.steps * batch, evaluations * max(r.eval_iters, 1) * batch
+
+
+def build_datasets(config: Config, tokenizer):
     """(train, valid) GPTDatasets. Rank 0 builds megatron's index cache first; the other
     ranks then read it, so no two processes write the same cache file."""
     data = config.data
@@ -41,7 +50,7 @@ def build_datasets(config: Config, tokenizer, train_samples: int, valid_samples:
         create_attention_mask=False,
         mid_level_dataset_surplus=0.05,
     )
-    sizes = [train_samples, valid_samples, 0]
+    sizes = [*sample_counts(config), 0]
 
     def build():
         return BlendedMegatronDatasetBuilder(

@@ -15,8 +15,7 @@ from pretrain.train import evaluate, setup
 def evaluate_checkpoint(config, path: str) -> dict:
     tokenizer, chunks = setup(config)
     found = checkpoint.load_weights(Path(path), chunks)
-    batches = max(config.run.eval_iters, 1) * config.data.global_batch_size
-    _, valid = build_datasets(config, tokenizer, config.data.global_batch_size, batches)
+    _, valid = build_datasets(config, tokenizer)
     result = {"checkpoint": str(found), **evaluate(config, chunks, valid)}
     if dist.get_rank() == 0 and Path(config.run.dir).is_dir():
         with (Path(config.run.dir) / "eval.jsonl").open("a") as f:

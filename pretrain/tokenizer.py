@@ -8,7 +8,9 @@ Training keeps text exactly as it is (identity normalisation, no whitespace fold
 runs may become pieces) and falls back to UTF-8 bytes for unseen characters, so
 ``decode(encode(text)) == text`` for any text. sentencepiece reads one line per training
 sentence, so a newline can never be learnt from data; it is a user-defined piece instead of
-being left to byte fallback, which gives it a readable piece of its own.
+being left to byte fallback, which gives it a readable piece of its own. sentencepiece's
+dummy prefix stays on (a document's first word is tokenised like any other, as "▁word"), so
+``decode`` of a slice that starts mid-document drops that slice's first space.
 """
 
 from __future__ import annotations

@@ -141,9 +141,7 @@ def train(config: Config) -> dict:
     elif r.init_from:
         checkpoint.load_weights(Path(r.init_from), chunks)
         log.info("model weights initialised from %s", r.init_from)
-    evals = r.steps // r.eval_interval + 2
-    train_set, valid_set = build_datasets(config, tokenizer, r.steps * d.global_batch_size,
-                                          evals * max(r.eval_iters, 1) * d.global_batch_size)
+    train_set, valid_set = build_datasets(config, tokenizer)
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
     stop = _StopRequest()
     throughput = Throughput(config, parameters)

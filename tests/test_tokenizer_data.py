@@ -233,6 +233,7 @@ def test_bad_inputs(tmp_path, tokenizers):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     _raises(f"data file '{empty}' is empty", prepare_data, [str(empty)], model, prefix)
+    _raises(f"data file '{empty}' is empty", train_tokenizer, [str(empty)], prefix, VOCAB)
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n\t\n")
     _raises(f"data file '{blank}' has no documents", prepare_data, [str(blank)], model, prefix)
