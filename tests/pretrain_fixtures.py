@@ -37,10 +37,8 @@ def make_corpus(folder: Path) -> dict[str, str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    out = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
-    out.pop("WORLD_SIZE", None)
-    out.pop("RANK", None)
-    return out
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    return {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
 def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,
