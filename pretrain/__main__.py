@@ -49,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[pretrain] %(message)s", stream=sys.stderr)
+    # Our progress at INFO; megatron's own INFO chatter (bucket layouts, dataset configs) off.
+    logging.basicConfig(level=logging.WARNING, format="[pretrain] %(message)s", stream=sys.stderr)
+    logging.getLogger("pretrain").setLevel(logging.INFO)
     try:
         args, overrides = _parser().parse_known_args(argv)
         bad = [o for o in overrides if not o.startswith("--") or "=" not in o]

@@ -85,9 +85,10 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int) ->
     if _rank0():
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a crash during an earlier save
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False), str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
     if os.environ.get(FAULT_KILL_IN_SAVE) == str(step):
         os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with the save half done
