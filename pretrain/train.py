@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.module import Float16Module
 
 from model import parallel
 from model.builder import build_model, count_parameters, wrap_ddp
@@ -120,7 +121,10 @@ def setup(config: Config):
                           f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
                           f"{config.data.tokenizer})")
     dtype = params_dtype(config)
-    return tokenizer, wrap_ddp(build_model(config.model, config.parallel, dtype), config.parallel)
+    chunks = build_model(config.model, config.parallel, dtype)
+    if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    return tokenizer, wrap_ddp(chunks, config.parallel)
 
 
 def train(config: Config) -> dict:
