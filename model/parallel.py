@@ -24,10 +24,9 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
     """
     on_cpu = cpu_compat.install()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if "RANK" not in os.environ:  # not launched by torchrun: a private one-rank group
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                              RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend="gloo" if on_cpu else "nccl")

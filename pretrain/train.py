@@ -172,11 +172,6 @@ def train(config: Config) -> dict:
             skipped += 1
             bad_in_a_row += 1
             log.warning("step %d: non-finite loss or gradient, step skipped", step + 1)
-            if bad_in_a_row >= r.max_nonfinite_steps:
-                raise TrainingAborted(
-                    f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
-                    f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); last good "
-                    f"checkpoint: {checkpoint.resolve(ckpt_root)}")
         step += 1
         elapsed = time.perf_counter() - began
         if step % r.log_interval == 0 or step == r.steps:
@@ -187,6 +182,12 @@ def train(config: Config) -> dict:
             metrics.log(record)
             log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", step, r.steps,
                      loss, record["lr"], record["grad_norm"] or 0.0, record["tokens_per_s"])
+        if bad_in_a_row >= r.max_nonfinite_steps:
+            metrics.finish()
+            raise TrainingAborted(
+                f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
+                f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); last good "
+                f"checkpoint: {checkpoint.resolve(ckpt_root)}")
         if r.eval_iters and step % r.eval_interval == 0 and step < r.steps:
             metrics.log({"step": step, **evaluate(config, chunks, valid_set)})
         stopping = stop.agreed()

@@ -37,7 +37,8 @@ def make_corpus(folder: Path) -> dict[str, str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    launcher = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    base = {k: v for k, v in os.environ.items() if k not in launcher}
     return {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 

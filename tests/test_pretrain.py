@@ -108,6 +108,8 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(data, reference, t
     cli(*args)
     assert train_losses(run) == train_losses(reference)
     assert not (ckpts / ".step_00000006.tmp").exists()
+    # run.keep_last = 2 (demo preset): only the two newest complete checkpoints remain.
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000018", "step_00000020"]
 
 
 @pytest.mark.slow
@@ -156,3 +158,35 @@ def test_wandb_offline_run_holds_metrics_and_resume_continues_it(data, tmp_path)
     assert logged == {s: expected[s] for s in (1, 2, 3)}
     _, resumed = read_run(files[1])
     assert {row["_step"] for row in resumed if "loss" in row} == {4, 5}
+
+
+def test_diverging_run_skips_nonfinite_steps_then_aborts(data, tmp_path):
+    """An absurd learning rate blows the weights up: the following steps have non-finite
+    gradients, are skipped and counted, and the run aborts with exit code 3."""
+    run = tmp_path / "run"
+    done = cli(*train_args(data, run, "--run.steps=10", "--optim.lr=1e30",
+                           "--optim.min_lr=0", "--optim.warmup_steps=1",
+                           "--run.max_nonfinite_steps=2", "--run.eval_iters=0"), check=False)
+    assert done.returncode == 3, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 2 consecutive steps had a NaN/Inf loss or gradient"), last
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert [r["skipped_steps"] for r in rows[-2:]] == [1, 2]
+    # Norms keep the loss finite here; the gradients overflow, and no update was applied.
+    assert all(not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))
+               for r in rows[-2:])
+
+
+def test_blended_prefixes_train(data, tmp_path):
+    """Two datasets blended 3:1 through megatron's BlendedMegatronDatasetBuilder."""
+    second = tmp_path / "second"
+    lines = Path(data["corpus"]).read_text().splitlines()[:20]
+    (tmp_path / "part.jsonl").write_text("\n".join(lines) + "\n")
+    cli("prepare-data", str(tmp_path / "part.jsonl"), "--tokenizer", data["tokenizer"],
+        "--output", str(second))
+    run = tmp_path / "run"
+    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=1",
+                    f"--data.prefixes=[\"{data['prefix']}\", \"{second}\"]",
+                    "--data.weights=[3, 1]"))
+    assert len(train_losses(run)) == 3
+    assert all(math.isfinite(v) for v in val_losses(run))
