@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from model.config import ConfigError
 from pretrain.config import Config
 from pretrain.prepare import check_dataset
 
@@ -34,8 +35,7 @@ def build_datasets(config: Config, tokenizer):
     """(train, valid) GPTDatasets. Rank 0 builds megatron's index cache first; the other
     ranks then read it, so no two processes write the same cache file."""
     data = config.data
-    for prefix in data.prefixes:
-        check_dataset(prefix, tokenizer.vocab_size)
+    documents = {prefix: check_dataset(prefix, tokenizer.vocab_size) for prefix in data.prefixes}
     weights = data.weights or [1.0] * len(data.prefixes)
     dataset_config = GPTDatasetConfig(
         random_seed=config.run.seed,
@@ -51,6 +51,9 @@ def build_datasets(config: Config, tokenizer):
         mid_level_dataset_surplus=0.05,
     )
     sizes = [*sample_counts(config), 0]
+    wanted = (sizes[0], sizes[1] if config.run.eval_iters else 0)
+    for prefix, count in documents.items():
+        _check_split_not_empty(prefix, count, data.split, dataset_config.split_matrix, wanted)
 
     def build():
         return BlendedMegatronDatasetBuilder(
@@ -63,6 +66,22 @@ def build_datasets(config: Config, tokenizer):
         dist.barrier()
         datasets = build()
     return datasets[0], datasets[1]
+
+
+def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix,
+                           wanted: tuple[int, int]) -> None:
+    """megatron splits each prefix by document, rounding ``share * documents``; a split that
+    gets no document but is asked for samples makes GPTDataset loop forever looking for
+    tokens (and a zero share returns no dataset at all). Catch both here, with the numbers the
+    user can change. ``wanted`` is the (train, valid) sample count the run will read."""
+    for name, bounds, samples in zip(("train", "valid"), split_matrix, wanted, strict=False):
+        if samples == 0:
+            continue
+        first, last = (int(round(b * documents)) for b in bounds or (0.0, 0.0))
+        if last <= first:
+            raise ConfigError(
+                f"data.split ({split!r}) gives the {name} split of '{prefix}' no document "
+                f"({documents} documents in all); add documents or raise its share")
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

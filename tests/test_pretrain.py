@@ -177,3 +177,18 @@ def test_diverging_run_skips_nonfinite_steps_then_aborts(data, tmp_path):
     assert all(not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))
                for r in rows[-2:])
 
+
+def test_blended_prefixes_train(data, tmp_path):
+    """Two datasets blended 3:1 through megatron's BlendedMegatronDatasetBuilder; the second
+    is small, so its split keeps a 10% validation share (2 of 20 documents)."""
+    second = tmp_path / "second"
+    lines = Path(data["corpus"]).read_text().splitlines()[:20]
+    (tmp_path / "part.jsonl").write_text("\n".join(lines) + "\n")
+    cli("prepare-data", str(tmp_path / "part.jsonl"), "--tokenizer", data["tokenizer"],
+        "--output", str(second))
+    run = tmp_path / "run"
+    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=1", "--data.split=90,10,0",
+                    f"--data.prefixes=[\"{data['prefix']}\", \"{second}\"]",
+                    "--data.weights=[3, 1]"), timeout=240)
+    assert len(train_losses(run)) == 3
+    assert all(math.isfinite(v) for v in val_losses(run))

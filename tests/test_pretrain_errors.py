@@ -27,6 +27,10 @@ def ctx(tmp_path_factory):
     (root / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     (root / "garbage.model").write_bytes(b"not a sentencepiece model")
     (root / "a-file").write_text("x")
+    lines = Path(data["corpus"]).read_text().splitlines()[:20]
+    (root / "part.jsonl").write_text("\n".join(lines) + "\n")
+    cli("prepare-data", str(root / "part.jsonl"), "--tokenizer", data["tokenizer"],
+        "--output", str(root / "data" / "part"))
     return {"root": root, "data": data, "run": run, "corrupt": corrupt}
 
 
@@ -87,6 +91,13 @@ CASES = {
                    c["data"]["tokenizer"][:-len(".model")], "--vocab-size", "512"],
         ["tok.model", "already exists"]),
     "unknown command": (lambda c: ["fly"], ["command line", "fly"]),
+    "no validation share": (lambda c: _train(c, "--data.split=100,0,0"),
+                            ["data.split ('100,0,0')", "valid split", "topics'"]),
+    # 2% of 20 documents rounds to none: megatron would loop forever looking for tokens.
+    "blended prefix too small to split": (
+        lambda c: _train(c, f'--data.prefixes=["{c["data"]["prefix"]}", '
+                            f'"{c["root"] / "data" / "part"}"]'),
+        ["data.split ('98,2,0')", "valid split", "part'", "20 documents"]),
 }
 
 
