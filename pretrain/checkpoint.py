@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from model.checkpoint import load_model, model_sharded_state_dict
 from model.config import ConfigError
-from pretrain.optim import load_state, prime_state
+from pretrain.optim import check_schedule, load_state, prime_state
 
 COMPLETE = "complete.json"
 # The distributed optimizer's state in its per-parameter (canonical) form, so a checkpoint
@@ -157,6 +157,7 @@ def load(directory: Path, chunks, optimizer, scheduler) -> int:
     for index, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{index}"
         getattr(chunk, "module", chunk).load_state_dict(state[key])
+    check_schedule(scheduler, state["scheduler"])
     load_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved_world = json.loads((directory / COMPLETE).read_text())["world_size"]

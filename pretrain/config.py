@@ -31,6 +31,9 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    override_schedule: bool = False
+    """On resume, follow this config's schedule (lr, min_lr, warmup_steps, run.steps,
+    weight_decay) where it differs from the checkpoint's; otherwise a difference is an error."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from model.config import ConfigError
 from pretrain.config import Config
 
 
@@ -27,8 +28,33 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
         lr_warmup_steps=o.warmup_steps, lr_decay_steps=config.run.steps,
         lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=config.run.steps, wd_incr_style="constant",
+        override_opt_param_scheduler=o.override_schedule,
+        use_checkpoint_opt_param_scheduler=False,
     )
     return optimizer, scheduler
+
+
+# The scheduler's checkpointed fields and the config field that sets each.
+_SCHEDULE_FIELDS = {
+    "max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_steps": "optim.warmup_steps",
+    "lr_decay_steps": "run.steps", "start_wd": "optim.weight_decay",
+}
+
+
+def check_schedule(scheduler, saved: dict) -> None:
+    """A resumed run must say which schedule it follows when it differs from the checkpoint's.
+
+    megatron's default silently keeps the checkpoint's values, so extending ``run.steps`` would
+    leave the cosine decay ending at the old step; its other mode asserts. Either surprise is
+    replaced by one line naming the field and the remedy (``optim.override_schedule``)."""
+    if scheduler.override_opt_param_scheduler:  # optim.override_schedule
+        return
+    current = scheduler.state_dict()
+    for key, field_name in _SCHEDULE_FIELDS.items():
+        if key in saved and saved[key] != current[key]:
+            raise ConfigError(
+                f"{field_name} ({current[key]}) differs from the checkpoint's ({saved[key]}); "
+                "set --optim.override_schedule=true to resume on the new schedule")
 
 
 def _torch_optimizers(optimizer):

@@ -192,3 +192,21 @@ def test_blended_prefixes_train(data, tmp_path):
                     "--data.weights=[3, 1]"), timeout=240)
     assert len(train_losses(run)) == 3
     assert all(math.isfinite(v) for v in val_losses(run))
+
+
+def test_extending_a_finished_run_needs_and_follows_the_new_schedule(data, reference, tmp_path):
+    """Resuming with more run.steps is refused unless optim.override_schedule is set; then the
+    cosine decay is stretched to the new end instead of staying at min_lr."""
+    run = tmp_path / "extended"
+    shutil.copytree(reference, run)
+    longer = train_args(data, run, f"--run.steps={STEPS + 4}", "--run.eval_iters=0")
+    refused = cli(*longer, check=False)
+    assert refused.returncode == 2
+    assert f"run.steps ({STEPS + 4}) differs from the checkpoint's ({STEPS})" in refused.stderr
+    cli(*longer, "--optim.override_schedule=true")
+    lrs = {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
+    assert sorted(lrs)[-4:] == list(range(STEPS + 1, STEPS + 5))
+    peak, low, warmup = 3e-3, 3e-4, 2  # TINY's lr and warm-up, the demo's min_lr
+    progress = (STEPS - warmup) / (STEPS + 4 - warmup)
+    expected = low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
+    assert lrs[STEPS + 1] == pytest.approx(expected, rel=1e-6)
