@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from bench.common import markdown_table
 from model import parallel
 from model.builder import build_model, count_parameters
 from model.config import ModelConfig, ParallelConfig
@@ -68,13 +69,14 @@ def main() -> None:
     print(f"shape: {args.layers} layers x {args.hidden} hidden, {args.heads} heads, "
           f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}; median of "
           f"{args.repeats} fwd+bwd steps after {args.warmup} warm-up, fp32\n")
-    print("| scheme | parameters | params / pre | fwd+bwd ms | time / pre |")
-    print("|---|---:|---:|---:|---:|")
+    rows = []
     for scheme, model in models.items():
         n = count_parameters([model])
         t = statistics.median(times[scheme])
-        print(f"| {scheme} | {n:,} | {n / base_params:.5f} | {1e3 * t:.1f} | "
-              f"{t / base_time:.3f} |")
+        rows.append([str(scheme), f"{n:,}", f"{n / base_params:.5f}", f"{1e3 * t:.1f}",
+                     f"{t / base_time:.3f}"])
+    print(markdown_table(["scheme", "parameters", "params / pre", "fwd+bwd ms", "time / pre"],
+                         rows))
     parallel.destroy()
 
 

@@ -58,6 +58,10 @@ def build_model(
             rotary_base=model.rotary_base,
             vp_stage=vp_stage,
         )
+        # Weights are drawn on the CPU (use_cpu_initialization) so every layout starts alike;
+        # compute runs on the GPU. A model built on the meta device (shapes only) stays there.
+        if torch.cuda.is_available() and not any(p.is_meta for p in chunk.parameters()):
+            chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     return chunks
 

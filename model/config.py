@@ -8,10 +8,12 @@ one :class:`ConfigError` line naming the field, the rule and the value(s), e.g.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from model.backends import AttentionBackend, TransformerImpl, te_unavailable_reason
 from model.schemes import Activation, Normalization, PositionEmbedding, Recompute, ResidualScheme
 
 
@@ -46,6 +48,8 @@ _ENUM_FIELDS: dict[str, type[StrEnum]] = {
     "activation": Activation,
     "position_embedding": PositionEmbedding,
     "recompute": Recompute,
+    "attention_backend": AttentionBackend,
+    "transformer_impl": TransformerImpl,
 }
 
 
@@ -54,7 +58,8 @@ class ModelConfig:
     """Shape and residual scheme of a decoder-only transformer."""
 
     residual_scheme: ResidualScheme = ResidualScheme.SIAMESE
-    """pre | post | siamese | siamese_hybrid (see SiameseNorm's equations in model/layers)."""
+    """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln (each scheme's
+    equations are in its layer's docstring, model/layers)."""
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -77,9 +82,24 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    """auto | sdpa | local | te: core attention. sdpa: torch's fused scaled_dot_product_attention;
+    local: megatron's DotProductAttention (materialises the s x s scores); te: Transformer
+    Engine's flash/cuDNN attention. auto: te when TE is installed on a CUDA machine, else sdpa."""
+    transformer_impl: TransformerImpl = TransformerImpl.AUTO
+    """auto | local | te: linear layers. te: Transformer Engine's linears, with the norm fused
+    into the QKV and fc1 projections in Pre-Norm blocks; local: megatron's. auto: te when TE
+    is installed on a CUDA machine, else local. Norms the schemes own stay kernels.norms.Norm."""
     hybrid_prenorm_first_block: bool = False
-    """siamese_hybrid only: HybridNorm* - block 0 uses a Pre-Norm attention input norm and no
-    post-norm before its MLP."""
+    """hybridnorm and siamese_hybrid: HybridNorm* - block 0 uses a Pre-Norm attention input norm
+    and no post-norm before its MLP."""
+    mixln_post_ratio: float = 0.25
+    """mixln only: the first floor(ratio * num_layers) blocks are Post-Norm, the rest Pre-Norm."""
+    siamese_input_norm: bool = True
+    """siamese and siamese_hybrid: false drops the input norms Nin of the merged branch input
+    (the paper's ablation; HybridNorm*'s block-0 attention norm is kept)."""
+    siamese_depth_constant: bool = True
+    """siamese and siamese_hybrid: false sets c_l = 1 (the paper's ablation)."""
 
     def __post_init__(self) -> None:
         _coerce_enums("model", self)
@@ -91,6 +111,12 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def blocks_differ(self) -> bool:
+        """Whether some blocks hold other parameters than the rest (Mix-LN's split, HybridNorm*'s
+        block 0), so checkpoints key each block by its global index instead of stacking them."""
+        return self.residual_scheme is ResidualScheme.MIXLN or self.hybrid_prenorm_first_block
 
     @property
     def padded_vocab_size(self) -> int:
@@ -119,14 +145,33 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"model.{name} ({value}) must be in [0, 1)")
+        for name in ("attention_backend", "transformer_impl"):
+            if getattr(self, name) == "te":  # the check looks for CUDA before TE
+                missing = te_unavailable_reason()
+                _require(missing is None, f"model.{name} (te) needs Transformer Engine on a "
+                         f"CUDA machine ({missing}); use auto")
         if self.position_embedding is PositionEmbedding.ROPE:
             _require((self.hidden_size // self.num_attention_heads) % 2 == 0,
                      f"model.hidden_size / model.num_attention_heads "
                      f"({self.hidden_size // self.num_attention_heads}) must be even for rope")
-        _require(not self.hybrid_prenorm_first_block
-                 or self.residual_scheme is ResidualScheme.SIAMESE_HYBRID,
-                 "model.hybrid_prenorm_first_block (true) requires model.residual_scheme "
-                 f"siamese_hybrid (got {self.residual_scheme})")
+        ratio = self.mixln_post_ratio
+        _require(isinstance(ratio, int | float) and not isinstance(ratio, bool)
+                 and 0.0 <= ratio <= 1.0, f"model.mixln_post_ratio ({ratio!r}) must be in [0, 1]")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, schemes in _SCHEME_FIELDS.items():
+            value = getattr(self, name)
+            _require(value == defaults[name] or self.residual_scheme in schemes,
+                     f"model.{name} ({json.dumps(value)}) requires model.residual_scheme "
+                     f"{' or '.join(schemes)} (got {self.residual_scheme})")
+
+
+_SCHEME_FIELDS: dict[str, tuple[ResidualScheme, ...]] = {
+    # A field that shapes only some schemes must stay at its default under the others.
+    "hybrid_prenorm_first_block": (ResidualScheme.HYBRIDNORM, ResidualScheme.SIAMESE_HYBRID),
+    "mixln_post_ratio": (ResidualScheme.MIXLN,),
+    "siamese_input_norm": (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID),
+    "siamese_depth_constant": (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID),
+}
 
 
 @dataclass

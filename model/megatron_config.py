@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import init_method_normal
 
 from model.config import ModelConfig, ParallelConfig, validate_layout
 from model.schemes import Activation, Recompute
@@ -25,6 +26,11 @@ def transformer_config(
       wrong results with interleaving on gloo.
     - ``qk_layernorm`` for Q/K/V-norm schemes: it makes megatron sum the per-head norm
       gradients across TP ranks (every rank normalises different heads with shared weights).
+    - ``output_layer_init_method``: megatron's std / sqrt(2 num_layers) for output projections,
+      except for DeepNorm, whose beta replaces it (``model.layers.deepnorm``).
+    - ``hetereogenous_dist_checkpoint`` (sic) when blocks differ: megatron's checkpoint stacks
+      each parameter over the blocks, which needs every block to hold it; per-block keys (by
+      global index) still reshard across PP layouts.
     """
     validate_layout(model, parallel)
     bf16 = params_dtype == torch.bfloat16
@@ -45,6 +51,8 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
+        output_layer_init_method=None if model.residual_scheme.depth_scaled_output_init
+        else init_method_normal(model.init_method_std),
         qk_layernorm=model.residual_scheme.qkv_norm,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -59,6 +67,7 @@ def transformer_config(
         bf16=bf16,
         autocast_dtype=params_dtype,
         use_cpu_initialization=True,
+        hetereogenous_dist_checkpoint=model.blocks_differ,
         variable_seq_lengths=model.residual_scheme.two_stream and parallel.pp > 1,
         batch_p2p_comm=parallel.vp is None,
         # Dense models have no experts; megatron rejects variable_seq_lengths with the default

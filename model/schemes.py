@@ -10,6 +10,9 @@ class ResidualScheme(StrEnum):
     POST = "post"  # h <- N(h + F(h)); no final norm
     SIAMESE = "siamese"  # SiameseNorm post_pre: Post-Norm-like x and Pre-Norm-like y
     SIAMESE_HYBRID = "siamese_hybrid"  # SiameseNorm hybrid_pre: x follows HybridNorm
+    DEEPNORM = "deepnorm"  # h <- N(alpha h + F(h)); branch weights initialised down by beta
+    HYBRIDNORM = "hybridnorm"  # QKV-norm attention, Post-Norm around the MLP; final norm
+    MIXLN = "mixln"  # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
 
     @property
     def two_stream(self) -> bool:
@@ -19,7 +22,18 @@ class ResidualScheme(StrEnum):
     @property
     def qkv_norm(self) -> bool:
         """Whether attention normalises Q, K and V per head after the projection."""
-        return self is ResidualScheme.SIAMESE_HYBRID
+        return self in (ResidualScheme.SIAMESE_HYBRID, ResidualScheme.HYBRIDNORM)
+
+    @property
+    def ends_normalized(self) -> bool:
+        """Whether every block ends in a norm (the Post-Norm family), so no final norm."""
+        return self in (ResidualScheme.POST, ResidualScheme.DEEPNORM)
+
+    @property
+    def depth_scaled_output_init(self) -> bool:
+        """Whether output projections start at std / sqrt(2 num_layers) (megatron's rule).
+        DeepNorm's beta is its own depth down-scaling, so it starts them at the plain std."""
+        return self is not ResidualScheme.DEEPNORM
 
 
 class Normalization(StrEnum):

@@ -1,8 +1,9 @@
 """The run configuration: one dataclass per concern, loaded from TOML, overridden from the CLI.
 
-Precedence is command line > file > defaults. ``--optim.lr=1e-3`` sets ``[optim] lr``. Unknown
-sections or keys, values of the wrong type and impossible combinations fail at load time with
-one :class:`~model.config.ConfigError` line naming the field, the rule and the value.
+Precedence is command line > file > its ``base`` file(s) > defaults. ``--optim.lr=1e-3`` sets
+``[optim] lr``. Unknown sections or keys, values of the wrong type and impossible combinations
+fail at load time with one :class:`~model.config.ConfigError` line naming the field, the rule
+and the value.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernels.dispatch import NormBackend
 from model.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
 
 
@@ -95,6 +97,29 @@ class LoggingConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Which implementation computes the norms (``kernels/dispatch.py``), chosen once per run."""
+
+    norm_backend: str = "auto"
+    """auto | torch | triton | te. auto: the fused Triton kernels on a CUDA machine with Triton,
+    else the torch reference."""
+
+
+@dataclass
+class DiagnosticsConfig:
+    """Per-stream diagnostics (``pretrain/diagnostics.py``) to metrics.jsonl and W&B."""
+
+    interval: int = 0
+    """Every this many steps, log each block's stream RMS and the gradient norm reaching each
+    stream, and the final merge's stream shares; loss spikes are checked every step (0: off,
+    and no hook is ever registered)."""
+    spike_factor: float = 1.3
+    """A step whose loss exceeds this factor x the median of the last spike_window losses is
+    logged as a loss-spike event."""
+    spike_window: int = 50
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -102,6 +127,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
     @property
     def seq_length(self) -> int:
@@ -174,16 +201,37 @@ def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dic
     return raw
 
 
+def read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file with its ``base`` resolved: ``base = "other.toml"`` (a path relative to
+    this file) loads that file first, then this file's keys replace its keys one by one, so
+    presets share one recipe and state only what differs. Bases may have bases of their own."""
+    if not path.is_file():
+        if chain:
+            raise ConfigError(f"config file '{chain[-1]}': base '{path}' does not exist")
+        raise ConfigError(f"config file '{path}' does not exist")
+    if path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
+        raise ConfigError(f"config file '{path}': base files form a cycle ({cycle})")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"config file '{path}': base ({base!r}) must be a file name")
+    merged = read_toml(path.parent / base, (*chain, path.resolve()))
+    for section, values in raw.items():
+        if isinstance(values, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **values}
+        else:
+            merged[section] = values
+    return merged
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            raw = tomllib.loads(file.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"config file '{path}' is not valid TOML: {err}") from None
+    raw = read_toml(Path(path)) if path is not None else {}
     raw = apply_overrides(raw, list(overrides))
     sections = {f.name: f for f in dataclasses.fields(Config)}
     built = {}
@@ -234,6 +282,14 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
     _require(r.params_dtype in ("auto", "fp32", "bf16"),
              f"run.params_dtype ({r.params_dtype!r}) must be auto, fp32 or bf16")
+    backends = [b.value for b in NormBackend]
+    _require(config.kernels.norm_backend in backends,
+             f"kernels.norm_backend ({config.kernels.norm_backend!r}) must be one of "
+             f"{', '.join(backends)}")
+    dg = config.diagnostics
+    _require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
+    _require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
+    _require(dg.spike_window >= 1, f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
     _require(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
              f"logging.wandb_mode ({lg.wandb_mode!r}) must be auto, online, offline or disabled")
     if world_size is not None:

@@ -8,6 +8,7 @@ intervals. SIGTERM/SIGUSR1 finish the current step, save, and return normally.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -20,11 +21,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.module import Float16Module
 
+from kernels import dispatch
 from model import parallel
 from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ConfigError
 from model.schedule import forward_backward
-from pretrain import checkpoint
+from pretrain import checkpoint, diagnostics
 from pretrain.config import Config, validate
 from pretrain.data import build_datasets, microbatches_per_step, step_microbatches
 from pretrain.metrics import MetricsLogger
@@ -115,6 +117,10 @@ def setup(config: Config):
     # Check the layout against the launch before megatron builds groups (it would assert).
     validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     parallel.initialize(config.parallel, seed=config.run.seed)
+    try:  # before the model is built, so every norm uses the chosen kernels
+        dispatch.set_backend(config.kernels.norm_backend)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     tokenizer = Tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
@@ -149,6 +155,7 @@ def train(config: Config) -> dict:
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
     stop = _StopRequest()
     throughput = Throughput(config, parameters)
+    diag = diagnostics.build(config, chunks)  # None when off: no hooks at all
     micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
     tokens_per_step = d.global_batch_size * config.seq_length
     if start == 0 and r.eval_iters:
@@ -158,9 +165,10 @@ def train(config: Config) -> dict:
     while step < r.steps:
         began = time.perf_counter()
         optimizer.zero_grad()
-        losses = forward_backward(chunks, step_microbatches(train_set, step, d.global_batch_size,
-                                                            d.micro_batch_size),
-                                  micro, config.seq_length, d.micro_batch_size)
+        with diag.step(step + 1) if diag else contextlib.nullcontext():
+            losses = forward_backward(chunks, step_microbatches(
+                train_set, step, d.global_batch_size, d.micro_batch_size),
+                micro, config.seq_length, d.micro_batch_size)
         loss = _mean_over_dp(losses)
         grad_norm = float("nan")
         lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
@@ -182,6 +190,8 @@ def train(config: Config) -> dict:
             metrics.log(record)
             log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", step, r.steps,
                      loss, record["lr"], record["grad_norm"] or 0.0, record["tokens_per_s"])
+        for extra in diag.records(step, loss) if diag else ():  # collective on a measured step
+            metrics.log(extra)
         if bad_in_a_row >= r.max_nonfinite_steps:
             metrics.finish()
             raise TrainingAborted(

@@ -1,8 +1,37 @@
+import os
+
 import pytest
 import torch
 
+# Triton decides per kernel, when its @triton.jit decorator runs (i.e. when the module defining
+# the kernel is imported), whether it compiles the kernel or runs it in its CPU interpreter, by
+# reading TRITON_INTERPRET at that moment. Importing triton itself (megatron does, at import) is
+# harmless; what matters is that the variable is set before any test imports a kernel module.
+# This file is loaded before every test module, so setting it here holds whatever order tests
+# run in. Without CUDA the interpreter is the only way a Triton kernel can run at all, so this
+# changes nothing else; with CUDA the kernels stay compiled and the GPU tests time real code.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from model import parallel
 from model.config import ParallelConfig
+
+
+def _rewrite_interpreted_kernels() -> None:
+    """Have Triton's interpreter parse and rewrite every kernel now, once, while this process
+    has a single thread. It does so lazily, with ast.parse, on a kernel's first launch, and
+    CPython 3.11 keeps ast.parse's recursion counter per interpreter, not per thread: a parse
+    that overlaps another thread's fails (seen once, late in the full suite) with "SystemError: AST
+    constructor recursion depth mismatch". The rewritten kernels are cached by Triton."""
+    from kernels import triton_kernels
+
+    for value in list(vars(triton_kernels).values()):
+        if callable(getattr(value, "rewrite", None)):
+            value.rewrite()
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _rewrite_interpreted_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -28,23 +28,26 @@ def grads_into_params(chunks) -> None:
 
 
 def record_depth_scales(chunks, folder: str) -> None:
-    """Write {global block index: c_l} for the blocks this rank holds."""
+    """Write {global block index: c_l} for the two-stream blocks this rank holds."""
     scales = {
         layer.layer_number - 1: layer.depth_scale
         for chunk in chunks for layer in chunk.module.decoder.layers
+        if hasattr(layer, "depth_scale")
     }
     with open(os.path.join(folder, f"depth_scales.rank{dist.get_rank()}.json"), "w") as f:
         json.dump(scales, f)
 
 
-def run_layout(layout: dict, schemes: list[str], workdir: str) -> None:
-    """Load the reference weights into a sharded model, run one batch, save losses and grads."""
+def run_layout(layout: dict, schemes: list[str], workdir: str,
+               model_overrides: dict | None = None) -> None:
+    """Load the reference weights into a sharded model, run one batch, save losses and grads.
+    ``model_overrides`` are ModelConfig fields applied to every scheme's tiny model."""
     par = ParallelConfig(distributed_optimizer=False, **layout)
     parallel.initialize(par)
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     for scheme in schemes:
-        chunks = wrap_ddp(build_model(tiny_model(scheme), par), par)
+        chunks = wrap_ddp(build_model(tiny_model(scheme, **(model_overrides or {})), par), par)
         load_model(chunks, os.path.join(workdir, scheme, "weights"))
         mine = batches(MICROBATCHES)[dp_rank::dp]
         losses = forward_backward(chunks, mine, len(mine), SEQ, MBS)

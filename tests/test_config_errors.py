@@ -2,6 +2,7 @@
 
 import pytest
 
+from model.backends import te_available
 from model.builder import build_model
 from model.config import ConfigError, ModelConfig, ParallelConfig
 
@@ -33,6 +34,21 @@ CASES = [
     (dict(vocab_size=101, make_vocab_size_divisible_by=1), dict(tp=2),
      ["parallel.tp (2)", "padded vocabulary (101)"]),
     (dict(hidden_size=36, num_attention_heads=4), {}, ["(9) must be even for rope"]),
+    (dict(residual_scheme="mixln", mixln_post_ratio=1.5), {},
+     ["model.mixln_post_ratio (1.5)", "[0, 1]"]),
+    (dict(residual_scheme="mixln", mixln_post_ratio=-0.25), {}, ["(-0.25) must be in [0, 1]"]),
+    (dict(mixln_post_ratio=0.5), {}, ["model.mixln_post_ratio (0.5)", "mixln (got siamese)"]),
+    (dict(residual_scheme="pre", siamese_input_norm=False), {},
+     ["model.siamese_input_norm (false)", "siamese or siamese_hybrid (got pre)"]),
+    (dict(residual_scheme="hybridnorm", siamese_depth_constant=False), {},
+     ["model.siamese_depth_constant (false)", "(got hybridnorm)"]),
+    (dict(residual_scheme="mixln", hybrid_prenorm_first_block=True), {},
+     ["model.hybrid_prenorm_first_block (true)", "hybridnorm or siamese_hybrid (got mixln)"]),
+    (dict(attention_backend="flash"), {}, ["model.attention_backend ('flash')", "sdpa"]),
+    (dict(transformer_impl="apex"), {}, ["model.transformer_impl ('apex')", "local, te"]),
+    *[pytest.param({name: "te"}, {}, [f"model.{name} (te)", "Transformer Engine"],
+                   marks=pytest.mark.skipif(te_available(), reason="TE is usable here"))
+      for name in ("attention_backend", "transformer_impl")],
 ]
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.builder import build_model
-from model.config import ParallelConfig
+from model.config import ModelConfig, ParallelConfig
 from tests.helpers import tiny_model
 
 SCHEMES = [
@@ -22,6 +22,15 @@ SCHEMES = [
     ("siamese", {}),
     ("siamese_hybrid", {}),
     ("siamese_hybrid", {"hybrid_prenorm_first_block": True}),
+    ("deepnorm", {}),
+    ("hybridnorm", {}),
+    ("hybridnorm", {"hybrid_prenorm_first_block": True}),
+    ("mixln", {}),
+    ("mixln", {"mixln_post_ratio": 0.75}),
+    ("siamese", {"siamese_input_norm": False}),
+    ("siamese", {"siamese_depth_constant": False}),
+    ("siamese_hybrid", {"siamese_input_norm": False, "siamese_depth_constant": False}),
+    ("siamese_hybrid", {"siamese_input_norm": False, "hybrid_prenorm_first_block": True}),
 ]
 
 
@@ -82,23 +91,37 @@ class Reference:
         h = self.p["embedding.word_embeddings.weight"][tokens]
         scheme = cfg.residual_scheme
         x, y = h, h.clone()
-        for i in range(cfg.num_layers):
+        L = cfg.num_layers
+        alpha = (2 * L) ** 0.25  # DeepNorm's skip scale
+        post_blocks = int(cfg.mixln_post_ratio * L)  # Mix-LN: the first floor(ratio L) blocks
+        for i in range(L):
             def n(name, i=i):
                 return f"decoder.layers.{i}.{name}"
-            c = math.sqrt(2 * (i + 1))
+            c = math.sqrt(2 * (i + 1)) if cfg.siamese_depth_constant else 1.0
+            star = cfg.hybrid_prenorm_first_block and i == 0
+
+            def n_in(v, name):  # SiameseNorm's Nin; the identity in the ablation without it
+                return self.norm(v, name) if cfg.siamese_input_norm else v
+
             for k in ("attn", "mlp"):
-                if scheme == "pre":
+                if (scheme == "pre" or (scheme == "mixln" and i >= post_blocks)
+                        or (scheme == "hybridnorm" and star)):
                     norm = n("input_layernorm") if k == "attn" else n("pre_mlp_layernorm")
-                    h = h + self.branch(k, self.norm(h, norm), i)
-                elif scheme == "post":
+                    h = h + self.branch(k, self.norm(h, norm), i, qkv_norm=scheme == "hybridnorm")
+                elif scheme in ("post", "mixln"):
                     h = self.norm(h + self.branch(k, h, i), n(f"{k}_post_norm"))
+                elif scheme == "deepnorm":
+                    h = self.norm(alpha * h + self.branch(k, h, i), n(f"{k}_post_norm"))
+                elif scheme == "hybridnorm":
+                    if k == "mlp":
+                        h = self.norm(h, n("mlp_post_norm"))
+                    h = h + self.branch(k, h, i, qkv_norm=True)
                 elif scheme == "siamese":
                     u = self.norm(x, n(f"{k}_post_norm"))
-                    r = self.branch(k, self.norm(u + self.norm(y, n(f"{k}_pre_norm")),
-                                                 n(f"{k}_in_norm")), i)
+                    r = self.branch(k, n_in(u + self.norm(y, n(f"{k}_pre_norm")),
+                                            n(f"{k}_in_norm")), i)
                     x, y = u + r / c, y + r
                 else:  # siamese_hybrid
-                    star = cfg.hybrid_prenorm_first_block and i == 0
                     if k == "attn":
                         a = x * self.p[n("attn_gate.weight")] + self.norm(y, n("attn_pre_norm"))
                         if star:
@@ -107,10 +130,10 @@ class Reference:
                     else:
                         if not star:
                             x = self.norm(x, n("mlp_post_norm"))
-                        r = self.branch(k, self.norm(x + self.norm(y, n("mlp_pre_norm")),
-                                                     n("mlp_in_norm")), i)
+                        r = self.branch(k, n_in(x + self.norm(y, n("mlp_pre_norm")),
+                                                n("mlp_in_norm")), i)
                     x, y = x + r / c, y + r
-        if scheme == "pre":
+        if scheme in ("pre", "hybridnorm", "mixln"):
             h = self.norm(h, "decoder.final_layernorm")
         elif scheme in ("siamese", "siamese_hybrid"):
             f = "decoder.final_layernorm"
@@ -148,3 +171,41 @@ def test_logits_and_grads_match_equations(single_rank, scheme, extra, normalizat
     for name, param in model.named_parameters():
         assert param.grad is not None, name
         assert rel_err(param.grad, ref.p[name].grad) <= 1e-5, name
+
+
+def test_deepnorm_init_scales_branch_weights_by_beta(single_rank):
+    """DeepNet's init: fc1, fc2, V and the attention output projection times beta = (8L)^(-1/4),
+    Q and K as drawn. Compared with a Post-Norm model built from the same draws, whose output
+    projections carry megatron's 1/sqrt(2L) (replaced by beta in DeepNorm)."""
+    built = {}
+    for scheme in ("post", "deepnorm"):
+        torch.manual_seed(3)
+        [model] = build_model(tiny_model(scheme), ParallelConfig())
+        built[scheme] = dict(model.named_parameters())
+    post, deep = built["post"], built["deepnorm"]
+    cfg = tiny_model("deepnorm")
+    layers, per_group = cfg.num_layers, cfg.num_attention_heads // cfg.kv_heads
+    beta, megatron_depth = (8 * layers) ** -0.25, (2 * layers) ** -0.5
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for i in range(layers):
+        def w(params, name, i=i):
+            return params[f"decoder.layers.{i}.{name}.weight"]
+        torch.testing.assert_close(w(deep, "mlp.linear_fc1"), beta * w(post, "mlp.linear_fc1"))
+        for name in ("mlp.linear_fc2", "self_attention.linear_proj"):
+            torch.testing.assert_close(w(deep, name), beta / megatron_depth * w(post, name))
+        qkv_deep, qkv_post = (w(p, "self_attention.linear_qkv").view(
+            cfg.kv_heads, per_group + 2, head_dim, -1) for p in (deep, post))
+        torch.testing.assert_close(qkv_deep[:, :-1], qkv_post[:, :-1])  # Q and K heads
+        torch.testing.assert_close(qkv_deep[:, -1], beta * qkv_post[:, -1])  # V heads
+
+
+@pytest.mark.parametrize("layers,ratio,post_blocks", [
+    (4, 0.25, 1), (12, 0.25, 3), (10, 0.25, 2), (100, 0.29, 29), (6, 0.0, 0), (6, 1.0, 6),
+])
+def test_mixln_split(layers, ratio, post_blocks):
+    """Mix-LN's first floor(ratio * L) blocks are Post-Norm, by global index."""
+    from model.spec import is_pre_norm_block
+
+    cfg = ModelConfig(residual_scheme="mixln", num_layers=layers, mixln_post_ratio=ratio)
+    assert [not is_pre_norm_block(cfg, i) for i in range(layers)] == \
+        [i < post_blocks for i in range(layers)]

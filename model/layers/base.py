@@ -9,8 +9,8 @@ the scheme two questions per sublayer: ``branch_input`` and ``residual_update``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import make_viewless_tensor
 
+from kernels import dispatch
 from model import streams
 
 
@@ -29,6 +30,9 @@ class SchemeLayerSubmodules(TransformerLayerSubmodules):
     """megatron's layer submodules plus the norm builder used for every norm the scheme owns."""
 
     norm: Any = IdentityOp
+    norm_overrides: dict[str, Any] = field(default_factory=dict)
+    """Builders for some of the scheme's norms, by name; IdentityOp removes that norm (e.g. the
+    SiameseNorm ablation without the input norms ``*_in_norm``)."""
 
 
 class SchemeLayer(TransformerLayer):
@@ -39,7 +43,7 @@ class SchemeLayer(TransformerLayer):
     def __init__(self, config, submodules: SchemeLayerSubmodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         for name in self.norm_names:
-            norm = submodules.norm(
+            norm = submodules.norm_overrides.get(name, submodules.norm)(
                 config=self.config, hidden_size=self.config.hidden_size,
                 eps=self.config.layernorm_epsilon,
             )
@@ -101,24 +105,48 @@ class SchemeLayer(TransformerLayer):
         return output, context
 
 
+class PendingUpdate(NamedTuple):
+    """The attention sublayer's dual update, not yet applied: the MLP's entry applies it in the
+    same pass as its norms (``dispatch.siamese_update_entry``)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    branch_out: torch.Tensor
+
+
 class TwoStreamLayer(SchemeLayer):
     """A layer whose input and output pack the x and y streams ([s, b, 2h]).
 
     Global block 0 (``layer_number`` 1, always on the first pipeline stage) receives the
-    embedding instead and starts both streams from it.
+    embedding instead and starts both streams from it. Inside the layer the attention update
+    travels to the MLP entry as a :class:`PendingUpdate`, so a fused kernel can apply it
+    together with the MLP's norms; only the layer's output is packed.
     """
+
+    def __init__(self, config, submodules, *args, depth_constant: bool = True, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.depth_constant = depth_constant
 
     @property
     def depth_scale(self) -> float:
         """c_l = sqrt(2 (l + 1)) for global block index l; ``layer_number`` is global, 1-based,
-        so pipeline stages agree with the unsharded model."""
-        return math.sqrt(2.0 * self.layer_number)
+        so pipeline stages agree with the unsharded model. c_l = 1 without ``depth_constant``
+        (the paper's ablation)."""
+        return math.sqrt(2.0 * self.layer_number) if self.depth_constant else 1.0
 
     def split_streams(self, sublayer: str, hidden_states: torch.Tensor):
         if sublayer == "attn" and self.layer_number == 1:
             return streams.start(hidden_states)
         return streams.unpack(hidden_states)
 
-    def dual_update(self, x: torch.Tensor, y: torch.Tensor, branch_out: torch.Tensor):
+    def apply_update(self, pending: PendingUpdate) -> tuple[torch.Tensor, torch.Tensor]:
+        """x <- x + r / c_l ; y <- y + r, for an entry that cannot take the fused path."""
+        x, y, r = pending
+        return x + r / self.depth_scale, y + r
+
+    def residual_update(self, sublayer, saved, branch_out):
         """x <- x + r / c_l ; y <- y + r : one shared branch output feeds both streams."""
-        return streams.pack(x + branch_out / self.depth_scale, y + branch_out)
+        x, y = saved
+        if sublayer == "attn":
+            return PendingUpdate(x, y, branch_out)
+        return dispatch.dual_update(x, y, branch_out, self.depth_scale, streams)

@@ -8,10 +8,14 @@ For each sublayer k of global block l, with c_l = sqrt(2 (l + 1)):
     y = y + r
 
 Three norms per sublayer. The final merge Nfinal(Na(x) + Nb(y)) is :class:`StreamMergeNorm`.
+The math lives in ``kernels.dispatch`` (a torch reference and fused kernels): the attention's
+entry, the attention update fused with the MLP's entry, and the MLP update into the packed
+output.
 """
 
 from __future__ import annotations
 
+from kernels import dispatch
 from model.layers.base import TwoStreamLayer
 
 
@@ -22,11 +26,10 @@ class SiameseLayer(TwoStreamLayer):
     )
 
     def branch_input(self, sublayer, hidden_states):
-        x, y = self.split_streams(sublayer, hidden_states)
-        u = getattr(self, f"{sublayer}_post_norm")(x)
-        pre_y = getattr(self, f"{sublayer}_pre_norm")(y)
-        return getattr(self, f"{sublayer}_in_norm")(u + pre_y), (u, y)
-
-    def residual_update(self, sublayer, saved, branch_out):
-        u, y = saved
-        return self.dual_update(u, y, branch_out)
+        norms = [getattr(self, f"{sublayer}_{n}_norm") for n in ("post", "pre", "in")]
+        if sublayer == "attn":
+            x, y = self.split_streams(sublayer, hidden_states)
+            u, s = dispatch.siamese_entry(x, y, *norms)
+        else:  # hidden_states is the attention's PendingUpdate, applied with the MLP's norms
+            u, y, s = dispatch.siamese_update_entry(*hidden_states, self.depth_scale, *norms)
+        return s, (u, y)

@@ -12,12 +12,17 @@ Pre-Norm. For global block l, with c_l = sqrt(2 (l + 1)):
 
 HybridNorm* (``hybrid_prenorm_first_block``): block 0 gives its attention a Pre-Norm input
 norm, a = Nin_attn(x * g + Npre_attn(y)), and skips Npost_mlp, keeping x's residual intact.
+
+The attention update and the MLP entry (Npost, Npre, Nin) run as one fused op from
+``kernels.dispatch`` where the block has Npost; the gated attention entry and HybridNorm*'s
+block 0 keep the plain composition.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import dispatch
 from kernels.norms import mark_sequence_parallel
 from model.layers.base import TwoStreamLayer
 
@@ -49,14 +54,15 @@ class SiameseHybridLayer(TwoStreamLayer):
             del self.mlp_post_norm
 
     def branch_input(self, sublayer, hidden_states):
-        x, y = self.split_streams(sublayer, hidden_states)
-        if sublayer == "attn":
+        if sublayer == "attn":  # the gate g is no norm: this entry stays the reference
+            x, y = self.split_streams(sublayer, hidden_states)
             a = self.attn_gate(x) + self.attn_pre_norm(y)
             return (self.attn_in_norm(a) if self.prenorm_block else a), (x, y)
-        if not self.prenorm_block:
-            x = self.mlp_post_norm(x)
-        return self.mlp_in_norm(x + self.mlp_pre_norm(y)), (x, y)
-
-    def residual_update(self, sublayer, saved, branch_out):
-        x, y = saved
-        return self.dual_update(x, y, branch_out)
+        # hidden_states is the attention's PendingUpdate.
+        if self.prenorm_block:  # no Npost: nothing to fuse the update with
+            x, y = self.apply_update(hidden_states)
+            return self.mlp_in_norm(x + self.mlp_pre_norm(y)), (x, y)
+        x, y, s = dispatch.siamese_update_entry(
+            *hidden_states, self.depth_scale, self.mlp_post_norm, self.mlp_pre_norm,
+            self.mlp_in_norm)
+        return s, (x, y)

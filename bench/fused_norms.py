@@ -1,0 +1,223 @@
+"""GPU benchmark of the fused SiameseNorm norm kernels against their unfused alternatives.
+
+    python -m bench.fused_norms [--batch 2] [--hidden 2048] [--norm rmsnorm|layernorm]
+
+Prints one table at the 1.3B shape (4096 x batch tokens, hidden 2048, bf16): for each op (a
+plain norm; a sublayer's entry; the attention update fused with the MLP entry; the layer's
+last update into the packed tensor; the final merge), forward and forward+backward, the time
+of the Triton kernels, torch eager (the reference composition the model runs unfused),
+torch.compile of that reference and, when Transformer Engine is installed, TE's norms called
+one at a time. Bandwidth counts each activation the op must touch once: inputs read and
+outputs written (for forward+backward also the output gradients read and the input gradients
+written); norm weights are left out (a few KB). It is given next to a device-to-device copy
+measured in the same run, the practical ceiling for ops like these.
+
+Without CUDA it prints one line and exits 0, so it can sit in scripts run anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench.common import markdown_table, package_version
+
+SEQ = 4096
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    inputs: int  # [tokens, hidden] activations read by the forward (a packed one counts 2)
+    outputs: int  # [tokens, hidden] activations written by the forward
+    norms: int
+
+    def tensors_moved(self, backward: bool) -> int:
+        """Forward: inputs + outputs. Backward adds the output gradients read and the input
+        gradients written, so forward+backward moves twice as many."""
+        return 2 * (self.inputs + self.outputs) if backward else self.inputs + self.outputs
+
+
+OPS = [
+    Op("plain norm N(x)", 1, 1, 1),
+    Op("(a) entry u, Nin(u + Npre(y))", 2, 2, 3),
+    Op("(a+b) update + entry", 3, 3, 3),
+    Op("(b) last update -> packed", 3, 2, 0),
+    Op("(c) merge Nf(Na(x) + Nb(y))", 2, 1, 3),
+]
+
+
+def op_call(op: Op, scale: float = 3.0) -> Callable:
+    """``call(tensors, norms) -> outputs`` of ``op`` through the dispatch point."""
+    from kernels import dispatch
+    from model import streams
+
+    return {
+        OPS[0].name: lambda t, n: [n[0](t[0])],
+        OPS[1].name: lambda t, n: list(dispatch.siamese_entry(*streams.unpack(t[0]), *n)),
+        OPS[2].name: lambda t, n: list(dispatch.siamese_update_entry(*t, scale, *n)),
+        OPS[3].name: lambda t, n: [dispatch.dual_update(*t, scale, streams)],
+        OPS[4].name: lambda t, n: [dispatch.stream_merge(*streams.unpack(t[0]), *n)],
+    }[op.name]
+
+
+def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    def make(width):
+        return torch.randn(tokens, 1, width, device="cuda", dtype=dtype).requires_grad_()
+
+    if op.name in (OPS[1].name, OPS[4].name):
+        return [make(2 * hidden)]  # the packed [s, b, 2h] tensor layers exchange
+    return [make(hidden) for _ in range(op.inputs)]
+
+
+def time_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median time of ``fn`` on the GPU, after warm-up (which also triggers compilation)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(iters: int) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), iters)
+    return 2 * src.numel() / ms / 1e6
+
+
+def passes(call: Callable, tensors: list[torch.Tensor], norms: list) -> dict[str, Callable]:
+    """The forward alone, and forward+backward (gradients returned, not accumulated)."""
+    params = [p for n in norms for p in n.parameters()]
+
+    def fwd_bwd():
+        outs = call(tensors, norms)
+        grads = [torch.ones_like(o) for o in outs]
+        return torch.autograd.grad(outs, tensors + params, grads)
+
+    def fwd():
+        with torch.no_grad():
+            return call(tensors, norms)
+
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def implementations(kind: str, hidden: int, te_available: bool) -> dict[str, tuple]:
+    """name -> (dispatch backend, norm builder, compiled?)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from kernels.norms import Norm
+
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
+                               normalization="RMSNorm" if kind == "rmsnorm" else "LayerNorm",
+                               params_dtype=torch.bfloat16)
+
+    def ours():
+        return Norm(config, hidden, eps=1e-5).cuda()
+
+    impls = {"triton (fused)": ("triton", ours, False), "torch eager": ("torch", ours, False),
+             "torch.compile": ("torch", ours, True)}
+    if te_available:
+        import transformer_engine.pytorch as te
+
+        te_class = te.RMSNorm if kind == "rmsnorm" else te.LayerNorm
+
+        def te_norm():
+            return te_class(hidden, eps=1e-5, params_dtype=torch.bfloat16).cuda()
+
+        impls["TE norms, separate"] = ("torch", te_norm, False)
+    return impls
+
+
+def measure(args) -> tuple[list[dict], float]:
+    from kernels import dispatch
+
+    te_available = dispatch.unavailable_reason(dispatch.NormBackend.TE) is None
+    tokens = SEQ * args.batch
+    copy_gbs = copy_bandwidth(args.iters)
+    results = []
+    for op in OPS:
+        for impl, (backend, build_norm, compiled) in implementations(
+                args.norm, args.hidden, te_available).items():
+            if op.norms == 0 and impl.startswith("TE"):
+                continue  # no norm in this op: TE has nothing to run
+            norms = [build_norm() for _ in range(op.norms)]
+            tensors = op_inputs(op, tokens, args.hidden, torch.bfloat16)
+            call = op_call(op)
+            if compiled:
+                call = torch.compile(call)
+            for pass_name, fn in passes(call, tensors, norms).items():
+                row = {"op": op.name, "impl": impl, "pass": pass_name, "ms": None,
+                       "bytes": op.tensors_moved(pass_name != "fwd") * tokens * args.hidden * 2}
+                try:
+                    with dispatch.forced_backend(backend):
+                        row["ms"] = time_ms(fn, args.iters)
+                except Exception as err:  # e.g. torch.compile unavailable: report, go on
+                    row["error"] = type(err).__name__
+                results.append(row)
+    return results, copy_gbs
+
+
+def table_rows(results: list[dict], copy_gbs: float) -> list[list[str]]:
+    """One row per (op, pass, implementation): time, bandwidth, fraction of copy bandwidth,
+    and the time relative to torch eager for the same op and pass."""
+    eager = {(r["op"], r["pass"]): r["ms"] for r in results if r["impl"] == "torch eager"}
+    rows = []
+    for r in results:
+        if r["ms"] is None:
+            rows.append([r["op"], r["pass"], r["impl"], f"failed ({r.get('error', '?')})",
+                         "", "", ""])
+            continue
+        gbs = r["bytes"] / r["ms"] / 1e6
+        base = eager.get((r["op"], r["pass"]))
+        speedup = f"{base / r['ms']:.2f}x" if base else ""
+        rows.append([r["op"], r["pass"], r["impl"], f"{r['ms']:.3f}", f"{gbs:,.0f}",
+                     f"{gbs / copy_gbs:.2f}", speedup])
+    return rows
+
+
+def report(results: list[dict], copy_gbs: float, header: str) -> str:
+    columns = ["op", "pass", "implementation", "ms", "GB/s", "/ copy BW", "speed-up vs eager"]
+    return header + "\n\n" + markdown_table(columns, table_rows(results, copy_gbs),
+                                            right_from=3)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=2, help="sequences of 4096 tokens")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--norm", choices=["rmsnorm", "layernorm"], default="rmsnorm")
+    parser.add_argument("--iters", type=int, default=20)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.fused_norms: needs a CUDA GPU (none found here); nothing measured")
+        return 0
+    results, copy_gbs = measure(args)
+    header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA "
+              f"{torch.version.cuda}), triton {package_version('triton')}, transformer-engine "
+              f"{package_version('transformer-engine')}; {SEQ * args.batch} tokens x "
+              f"{args.hidden}, bf16, {args.norm}; device copy {copy_gbs:,.0f} GB/s; median of "
+              f"{args.iters}")
+    print(report(results, copy_gbs, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""GPU training-step time, throughput, MFU and activation memory of pre, siamese and
+siamese_hybrid at the 1.3B shape, each as a ratio to pre.
+
+One GPU, bf16, no recompute, flash attention (Transformer Engine's when installed, else torch
+SDPA: ``model.attention_backend = auto``). A *step* is one forward+backward through megatron's
+schedule plus the AdamW step of megatron's optimizer, as in training; forward+backward is also
+timed alone. Each scheme runs in its own process, because three 1.3B models with optimizer
+state do not fit on one GPU together and a fresh allocator keeps the memory figures
+independent. Activation memory is the peak allocated during forward+backward minus what was
+allocated just before it (bf16 weights, fp32 gradient buffers, optimizer state).
+
+    python -m bench.gpu_step [--layers 16 --micro-batch 1 --steps 10 --warmup 3]
+
+If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import markdown_table, random_batch, versions_line
+
+SCHEMES = ("pre", "siamese", "siamese_hybrid")
+TARGETS = "targets: siamese step time <= 1.02x pre; activation memory <= 1.05x pre"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Defaults: the paper presets' 1.3B shape (configs/paper), HybridNorm's 1.2B model.
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8, help="K/V heads (grouped-query attention)")
+    p.add_argument("--ffn", type=int, default=8192, help="SwiGLU width")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per scheme and round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the scheme cycle; medians are taken over all rounds")
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--transformer-impl", default="auto")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="time forward+backward only (no optimizer state, no AdamW step)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.warmup < 1 and not args.no_optimizer:
+        p.error("--warmup must be >= 1: the first step allocates the optimizer state")
+    return args
+
+
+def build(args, scheme: str):
+    """The model, DDP-wrapped as in training, its optimizer (or None) and the run config."""
+    from megatron.core.transformer.module import Float16Module
+
+    from model.builder import build_model, wrap_ddp
+    from model.config import ModelConfig, ParallelConfig
+    from pretrain.config import Config, DataConfig, OptimConfig
+    from pretrain.optim import build_optimizer
+
+    model_cfg = ModelConfig(
+        residual_scheme=scheme, num_layers=args.layers, hidden_size=args.hidden,
+        num_attention_heads=args.heads, num_query_groups=args.kv_heads,
+        ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_length=args.seq,
+        attention_backend=args.attention_backend, transformer_impl=args.transformer_impl,
+    )
+    config = Config(model=model_cfg, parallel=ParallelConfig(recompute="none"),
+                    optim=OptimConfig(warmup_steps=0),  # a non-zero LR from the first step
+                    data=DataConfig(micro_batch_size=args.micro_batch,
+                                    global_batch_size=args.micro_batch))
+    torch.manual_seed(0)
+    chunks = build_model(model_cfg, config.parallel, torch.bfloat16)
+    chunks = wrap_ddp([Float16Module(c.config, c) for c in chunks], config.parallel)
+    optimizer = None
+    if not args.no_optimizer:
+        optimizer, _ = build_optimizer(config, chunks, torch.bfloat16)
+    return chunks, optimizer, config
+
+
+def measure(args, scheme: str) -> dict:
+    """Time ``args.steps`` steps after ``args.warmup`` (the first step allocates the optimizer
+    state, so the memory baseline is only right after it)."""
+    from kernels import dispatch
+    from model import parallel
+    from model.backends import resolve_attention_backend, resolve_transformer_impl
+    from model.builder import count_parameters
+    from model.config import ParallelConfig
+    from model.schedule import forward_backward
+    from pretrain.throughput import Throughput
+
+    parallel.initialize(ParallelConfig())
+    chunks, optimizer, config = build(args, scheme)
+    batch = random_batch(args.vocab, args.micro_batch, args.seq, torch.cuda.current_device())
+    fwd_bwd, steps, activation, losses = [], [], 0, []
+    for index in range(args.warmup + args.steps):
+        if optimizer is not None:
+            optimizer.zero_grad()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        losses += forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)
+        torch.cuda.synchronize()
+        middle = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated() - before
+        if optimizer is not None:
+            optimizer.step()
+        torch.cuda.synchronize()
+        if index >= args.warmup:
+            fwd_bwd.append(middle - start)
+            steps.append(time.perf_counter() - start)
+            activation = max(activation, peak)
+    if not all(map(math.isfinite, losses)):
+        raise RuntimeError(f"{scheme}: non-finite loss {losses}")
+    parameters = count_parameters(chunks)
+    throughput = Throughput(config, parameters)
+    parallel.destroy()
+    return {
+        "scheme": scheme, "parameters": parameters, "fwd_bwd_s": fwd_bwd, "step_s": steps,
+        "activation_bytes": activation, "first_loss": losses[0],
+        "flops_per_step": throughput.flops_per_step, "peak_tflops": throughput.peak,
+        "device": torch.cuda.get_device_name(),
+        "attention": str(resolve_attention_backend(config.model.attention_backend)),
+        "linears": str(resolve_transformer_impl(config.model.transformer_impl)),
+        "norms": str(dispatch.active_backend()),
+    }
+
+
+def run_worker(scheme: str, forwarded: list[str]) -> dict | None:
+    """Measure one scheme in a fresh process; None (after printing why) if it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
+             "--result", str(result)],
+            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+        if proc.returncode != 0 or not result.is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            print(f"{scheme}: failed (exit {proc.returncode}); if out of memory, lower --layers "
+                  f"or --micro-batch\n{tail}\n", file=sys.stderr)
+            return None
+        return json.loads(result.read_text())
+
+
+def summarise(r: dict) -> dict:
+    """Medians of the timed steps, and the rates derived from the step time."""
+    step = statistics.median(r["step_s"])
+    tflops = r["flops_per_step"] / step / 1e12
+    return {"fwd_bwd": statistics.median(r["fwd_bwd_s"]), "step": step, "tflops": tflops,
+            "mfu": tflops / r["peak_tflops"] if r["peak_tflops"] else None,
+            "activation": r["activation_bytes"]}
+
+
+def report(args, results: dict[str, dict]) -> None:
+    first = next(iter(results.values()))
+    kv = args.kv_heads or args.heads
+    step_kind = "fwd+bwd only" if args.no_optimizer else "fwd+bwd + AdamW step"
+    print(f"device: {first['device']}; {versions_line()}")
+    print(f"shape: {args.layers} layers x {args.hidden} hidden, {args.heads} heads / {kv} KV, "
+          f"SwiGLU {args.ffn}, seq {args.seq}, micro-batch {args.micro_batch}, vocab "
+          f"{args.vocab}; bf16; attention {first['attention']}, linears {first['linears']}, "
+          f"norms {first['norms']}; recompute none")
+    print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
+          f"process per scheme; step = {step_kind}; tokens/s, TFLOP/s and MFU from the step "
+          "time; FLOPs/token = 6 x params + 12 x layers x hidden x seq (pretrain/throughput.py); "
+          "activation = peak allocated in fwd+bwd minus weights, grads, optimizer state")
+    print(f"{TARGETS}\n")
+    stats = {scheme: summarise(r) for scheme, r in results.items()}
+    base = stats.get("pre")
+
+    def ratio(s: dict, key: str) -> str:
+        return f"{s[key] / base[key]:.3f}" if base else "n/a"
+
+    rows = [[
+        scheme, f"{results[scheme]['parameters']:,}", f"{1e3 * s['fwd_bwd']:.1f}",
+        ratio(s, "fwd_bwd"), f"{1e3 * s['step']:.1f}", ratio(s, "step"),
+        f"{args.micro_batch * args.seq / s['step']:,.0f}", f"{s['tflops']:.1f}",
+        f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a",
+        f"{s['activation'] / 2**30:.2f}", ratio(s, "activation"),
+        f"{results[scheme]['first_loss']:.3f}",
+    ] for scheme, s in stats.items()]
+    print(markdown_table(
+        ["scheme", "parameters", "fwd+bwd ms", "fwd+bwd / pre", "step ms", "step / pre",
+         "tokens/s", "TFLOP/s", "MFU", "activation GiB", "activation / pre", "first loss"],
+        rows))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gpu_step: no CUDA GPU on this machine; nothing measured")
+        return 0
+    if args.worker:
+        Path(args.result).write_text(json.dumps(measure(args, args.worker)))
+        return 0
+    forwarded = list(argv if argv is not None else sys.argv[1:])
+    results: dict[str, dict] = {}
+    failed = False
+    for _ in range(args.rounds):
+        for scheme in args.schemes.split(","):
+            r = run_worker(scheme, forwarded)
+            if r is None:
+                failed = True
+                continue
+            if scheme in results:  # another round: pool the samples
+                for key in ("fwd_bwd_s", "step_s"):
+                    results[scheme][key] += r[key]
+                results[scheme]["activation_bytes"] = max(
+                    results[scheme]["activation_bytes"], r["activation_bytes"])
+            else:
+                results[scheme] = r
+    if results:
+        report(args, results)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

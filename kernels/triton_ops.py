@@ -1,0 +1,171 @@
+"""Autograd functions over the Triton kernels: shapes, launches and weight-gradient sums.
+
+The functions take the norms' own parameters (the ``nn.Parameter`` objects of the ``Norm``
+modules), so gradients land on the same tensors whichever backend ran, and megatron's
+sequence-parallel all-reduce of norm weights still applies. Activations may be strided views
+(the halves of a packed [s, b, 2h] tensor) as long as each row is contiguous.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import triton
+
+from kernels import triton_kernels as kern
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., h] as 2-D rows with unit column stride; a view whenever the layout allows."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch_args(n_cols: int) -> dict:
+    block = triton.next_power_of_2(n_cols)
+    return {"BLOCK": block, "num_warps": min(max(block // 256, 1), 8)}
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(n_rows: int, device: torch.device) -> int:
+    """Backward programs: a few per SM keeps every SM busy while the fp32 weight-gradient
+    partials (programs x h) stay small next to the activations."""
+    per_device = 4 * _sm_count(device.index or 0) if device.type == "cuda" else 4
+    return max(1, min(n_rows, per_device))
+
+
+def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
+    sums = partials.sum(0)
+    return [None if p is None else sums[i].to(p.dtype) for i, p in enumerate(params)]
+
+
+class NormFunction(torch.autograd.Function):
+    """out = N(x) for RMSNorm (``bias`` None) or LayerNorm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, is_rms: bool):
+        rows = _rows(x)
+        n_rows, n_cols = rows.shape
+        out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
+        if n_rows:
+            kern.norm_fwd[(n_rows,)](
+                rows, rows.stride(0), weight, weight if bias is None else bias, out, stats,
+                n_cols, eps, IS_RMS=is_rms, **_launch_args(n_cols))
+        ctx.save_for_backward(rows, weight, stats)
+        ctx.has_bias, ctx.is_rms = bias is not None, is_rms
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, stats = ctx.saved_tensors
+        n_rows, n_cols = rows.shape
+        grad = grad.contiguous()
+        dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+        programs = _programs(n_rows, rows.device)
+        partials = torch.zeros((programs, 2, n_cols), dtype=torch.float32, device=rows.device)
+        if n_rows:
+            kern.norm_bwd[(programs,)](
+                rows, rows.stride(0), weight, stats, grad, dx, partials,
+                n_rows, n_cols, triton.cdiv(n_rows, programs),
+                IS_RMS=ctx.is_rms, **_launch_args(n_cols))
+        dw, db = _sum_partials(partials, [weight, weight if ctx.has_bias else None])
+        return dx.view(grad.shape), dw, db, None, None
+
+
+class EntryFunction(torch.autograd.Function):
+    """(a, y_out, s) with a = Na(x), s = Nc(Na(x) + Nb(y)); see ``triton_kernels``.
+
+    With ``r`` given, (x, y) first become (x + r / scale, y + r) and y_out is the new y;
+    otherwise y_out is None. ``a`` is None unless ``store_a``; ``wc`` None drops Nc. Biases are
+    None for RMSNorm.
+    """
+
+    @staticmethod
+    def forward(ctx, x, y, r, wa, ba, wb, bb, wc, bc, scale: float, eps: float, is_rms: bool,
+                store_a: bool):
+        update, has_c = r is not None, wc is not None
+        xr, yr = _rows(x), _rows(y)
+        rr = _rows(r) if update else xr
+        n_rows, n_cols = xr.shape
+        new = functools.partial(torch.empty, (n_rows, n_cols), device=x.device)
+        a = new(dtype=x.dtype) if store_a else None
+        y_out = new(dtype=y.dtype) if update else None
+        s = new(dtype=x.dtype)
+        stats = torch.empty((n_rows, 6), dtype=torch.float32, device=x.device)
+        if n_rows:
+            kern.entry_fwd[(n_rows,)](
+                xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
+                wa, wa if ba is None else ba, wb, wb if bb is None else bb,
+                wa if wc is None else wc, wa if bc is None else bc,
+                s if a is None else a, s if y_out is None else y_out, s, stats,
+                n_cols, float(scale), eps,
+                IS_RMS=is_rms, UPDATE=update, STORE_A=store_a, HAS_C=has_c,
+                **_launch_args(n_cols))
+        # With an update, backward reads the new y (an output) instead of the old one.
+        ctx.save_for_backward(xr, y_out if update else yr, rr, wa, ba, wb, bb, wc, bc, stats)
+        ctx.flags = dict(scale=float(scale), is_rms=is_rms, update=update, store_a=store_a)
+        shape = x.shape
+        return (None if a is None else a.view(shape),
+                None if y_out is None else y_out.view(shape), s.view(shape))
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_y, grad_s):
+        xr, yr, rr, wa, ba, wb, bb, wc, bc, stats = ctx.saved_tensors
+        f = ctx.flags
+        n_rows, n_cols = xr.shape
+        grad_s = grad_s.contiguous()
+        grad_a = grad_a.contiguous() if f["store_a"] else grad_s
+        grad_y = grad_y.contiguous() if f["update"] else grad_s
+        dx = torch.empty((n_rows, n_cols), dtype=xr.dtype, device=xr.device)
+        dy = torch.empty((n_rows, n_cols), dtype=yr.dtype, device=yr.device)
+        dr = torch.empty_like(dx, dtype=rr.dtype) if f["update"] else dx
+        programs = _programs(n_rows, xr.device)
+        partials = torch.zeros((programs, 6, n_cols), dtype=torch.float32, device=xr.device)
+        if n_rows:
+            kern.entry_bwd[(programs,)](
+                xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
+                wa, wa if ba is None else ba, wb, wb if bb is None else bb,
+                wa if wc is None else wc, stats,
+                grad_a, grad_y, grad_s, dx, dy, dr, partials,
+                n_rows, n_cols, triton.cdiv(n_rows, programs), f["scale"],
+                IS_RMS=f["is_rms"], UPDATE=f["update"], STORE_A=f["store_a"],
+                HAS_C=wc is not None, **_launch_args(n_cols))
+        weight_grads = _sum_partials(partials, [wa, ba, wb, bb, wc, bc])
+        shape = grad_s.shape
+        return (dx.view(shape), dy.view(shape), dr.view(shape) if f["update"] else None,
+                *weight_grads, None, None, None, None)
+
+
+class DualUpdateFunction(torch.autograd.Function):
+    """pack(u + r / scale, y + r), written in place into a fresh packed tensor.
+
+    ``unpack`` (the streams' own helper) finds the two halves of the packed tensor, so the
+    layout stays defined in one place; the packed width is twice the stream's.
+    """
+
+    @staticmethod
+    def forward(ctx, u, y, r, scale: float, unpack: Callable):
+        out = u.new_empty((*u.shape[:-1], 2 * u.shape[-1]))
+        ox, oy = (half.view(-1, u.shape[-1]) for half in unpack(out))  # views: written in place
+        if ox.stride(0) != oy.stride(0) or ox.stride(-1) != 1 or oy.stride(-1) != 1:
+            raise ValueError("the packed halves must be row-contiguous with one row stride")
+        ur, yr, rr = _rows(u), _rows(y), _rows(r)
+        n_rows, n_cols = ur.shape
+        if n_rows:
+            kern.dual_update_fwd[(n_rows,)](
+                ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
+                n_cols, float(scale), **_launch_args(n_cols))
+        ctx.scale, ctx.unpack = float(scale), unpack
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx, gy = ctx.unpack(grad)
+        return gx, gy, gx / ctx.scale + gy, None, None

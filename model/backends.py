@@ -1,0 +1,81 @@
+"""Which implementation computes attention and the linear layers: megatron's own modules,
+torch's fused SDPA, or Transformer Engine (TE).
+
+Two model fields choose, each resolved once per process:
+
+- ``attention_backend`` (auto | sdpa | local | te): the core attention. ``local`` is megatron's
+  DotProductAttention, which materialises the [b, heads, s, s] score matrix; ``sdpa`` runs
+  torch's scaled_dot_product_attention (flash / cuDNN / memory-efficient kernels on GPU);
+  ``te`` is megatron's TEDotProductAttention. ``auto``: te where TE can be used, else sdpa.
+- ``transformer_impl`` (auto | local | te): the linear layers. ``te`` uses TE's linears and,
+  where a scheme's norm sits directly before a projection (Pre-Norm), TE's fused norm+linear.
+  ``auto``: te where TE can be used, else local.
+
+TE is only ever imported after ``torch.cuda.is_available()``: with TE installed on a machine
+without CUDA, importing it raises (not ImportError), so nothing here touches it on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from enum import StrEnum
+
+import torch
+
+
+class AttentionBackend(StrEnum):
+    AUTO = "auto"
+    SDPA = "sdpa"  # torch.nn.functional.scaled_dot_product_attention
+    LOCAL = "local"  # megatron's DotProductAttention (explicit score matrix)
+    TE = "te"  # megatron's TEDotProductAttention
+
+
+class TransformerImpl(StrEnum):
+    AUTO = "auto"
+    LOCAL = "local"  # megatron's ColumnParallelLinear / RowParallelLinear
+    TE = "te"  # TE linears; fused norm+linear where the scheme allows
+
+
+def te_unavailable_reason() -> str | None:
+    """Why TE cannot be used on this machine, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if not _te_importable():
+        return "transformer_engine is not installed or failed to import"
+    return None
+
+
+def te_available() -> bool:
+    return te_unavailable_reason() is None
+
+
+@functools.cache
+def _te_importable() -> bool:
+    # Only reached with CUDA present (see te_unavailable_reason).
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except Exception:  # a broken TE raises RuntimeError/OSError, not only ImportError
+        return False
+    return bool(te_ext.HAVE_TE)
+
+
+def te_module(name: str):
+    """A class from megatron's TE wrappers (e.g. ``TEDotProductAttention``)."""
+    reason = te_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"Transformer Engine requested but unavailable: {reason}")
+    from megatron.core.extensions import transformer_engine as te_ext
+
+    return getattr(te_ext, name)
+
+
+def resolve_attention_backend(choice: AttentionBackend) -> AttentionBackend:
+    if choice is AttentionBackend.AUTO:
+        return AttentionBackend.TE if te_available() else AttentionBackend.SDPA
+    return choice
+
+
+def resolve_transformer_impl(choice: TransformerImpl) -> TransformerImpl:
+    if choice is TransformerImpl.AUTO:
+        return TransformerImpl.TE if te_available() else TransformerImpl.LOCAL
+    return choice

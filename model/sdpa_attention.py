@@ -1,0 +1,139 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron's unfused ``DotProductAttention`` builds the full [b, heads, s, s] score matrix and
+keeps the probabilities for backward: at seq 4096 with 16 heads that is 512 MiB per layer and
+sequence in bf16, more than the rest of the layer's activations together. SDPA hands the same
+computation to a fused kernel (flash, cuDNN or memory-efficient on GPU; a fused kernel on CPU),
+whose memory grows with s rather than s^2. This module keeps megatron's core-attention contract
+so a spec can swap it in for ``DotProductAttention`` wherever Transformer Engine is missing:
+
+    in:  query [sq, b, np, hn], key/value [sk, b, ng, hn]   (np, ng: this TP rank's heads)
+    out: context [sq, b, np * hn]
+
+Grouped-query attention passes ``enable_gqa`` where the flash kernel can take it (CUDA, 16-bit,
+head_dim <= 256); elsewhere SDPA would fall back to its unfused path for GQA, so K/V are
+expanded per query head first, as megatron does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+_FLASH_MAX_HEAD_DIM = 256
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in ``core_attention`` for megatron's SelfAttention (same constructor and forward).
+
+    ``native_gqa`` forces (True) or forbids (False) SDPA's ``enable_gqa``; None picks per call.
+    """
+
+    native_gqa: bool | None = None
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        unsupported = {
+            "context_parallel_size > 1": config.context_parallel_size > 1,
+            "softmax_type other than vanilla": config.softmax_type != "vanilla",
+            "window_size (sliding-window attention)": config.window_size is not None,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"SDPA core attention does not support {what}")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        tp_size = (pg_collection.tp.size() if pg_collection is not None
+                   else parallel_state.get_tensor_model_parallel_world_size())
+        self.hidden_size_per_attention_head = config.kv_channels
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.hidden_size_per_partition = (
+            self.num_attention_heads_per_partition * self.hidden_size_per_attention_head
+        )
+        # megatron's query-key layer scaling divides the scale by the layer number and multiplies
+        # it back inside the softmax: the same function, so only the plain scale is needed.
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
+        self.dropout_p = config.attention_dropout if attention_dropout is None \
+            else attention_dropout
+
+    def _use_native_gqa(self, query: torch.Tensor) -> bool:
+        if self.native_gqa is not None:
+            return self.native_gqa
+        return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                and query.size(-1) <= _FLASH_MAX_HEAD_DIM)
+
+    def _dropout_rng(self, dropout_p: float):
+        """Dropout draws from megatron's model-parallel RNG stream (as DotProductAttention), so
+        TP ranks, which hold different heads, drop independently and reproducibly."""
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPA core attention supports neither packed sequences nor an "
+                             "attention bias; use attention_backend te")
+        sq, b, heads, head_dim = query.shape
+        sk = key.size(0)
+        groups = heads // key.size(2)
+        gqa = groups > 1 and self._use_native_gqa(query)
+        if groups > 1 and not gqa:
+            key = key.repeat_interleave(groups, dim=2)
+            value = value.repeat_interleave(groups, dim=2)
+
+        mask, causal = self._mask(attention_mask, attn_mask_type or self.attn_mask_type, sq, sk,
+                                  query.device)
+        dropout_p = self.dropout_p if self.training else 0.0
+        # [s, b, h, d] -> [b, h, s, d]: a view; the kernels accept these strides.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        with self._dropout_rng(dropout_p):
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                scale=self.softmax_scale, **({"enable_gqa": True} if gqa else {}),
+            )
+        # [b, h, sq, d] -> [sq, b, h * d]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    @staticmethod
+    def _mask(attention_mask, mask_type, sq: int, sk: int, device):
+        """(boolean keep-mask or None, is_causal). megatron's masks mark positions to drop
+        (True = masked); SDPA's boolean masks mark positions to keep."""
+        if attention_mask is not None:
+            return ~attention_mask.bool(), False
+        if mask_type is not AttnMaskType.causal or sq == 1:  # sq == 1: one query sees all keys
+            return None, False
+        if sq == sk:
+            return None, True
+        # Queries are the last sq of sk positions (bottom-right aligned, as in decoding).
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
+        return keep, False
