@@ -1,0 +1,130 @@
+"""Compile every Triton kernel launch the fused ops make, for a GPU this machine may not have.
+
+Run as ``python -m tests.triton_aot ARCH`` (e.g. 90 for H100) in a process *without*
+TRITON_INTERPRET. The ops in ``kernels.triton_ops`` run forward and backward on small CPU
+tensors while each kernel is replaced by a recorder, so nothing launches; every recorded launch
+(argument dtypes, constexprs, num_warps) is then compiled by Triton's real compiler down to a
+cubin for ``sm_ARCH`` (ptxas ships with Triton; no driver or device is needed). The interpreter
+accepts code the compiler rejects (types that change across a loop, an int64 grid index mixed
+with int32 strides...), so this is the CPU machine's check that the kernels build for a GPU.
+Prints one JSON line: the launches compiled, each with its kernel, constexprs and cubin size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("tests.triton_aot must run without TRITON_INTERPRET=1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import triton_kernels, triton_ops  # noqa: E402
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The 1.3B model's hidden size: the kernels' BLOCK and num_warps follow from it.
+HIDDEN = 2048
+
+
+class _Recorder:
+    """Stands in for one @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records."""
+
+    def __init__(self, name: str, launches: list):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.name, args, kwargs))
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def record_launches() -> list:
+    """Run each fused op, forward and backward, as the model calls it (bf16 and fp32,
+    RMSNorm and LayerNorm), and return the kernel launches they make."""
+    launches: list = []
+    names = ("norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd")
+    originals = {n: getattr(triton_kernels, n) for n in names}
+    for name in names:
+        setattr(triton_kernels, name, _Recorder(name, launches))
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            for is_rms in (True, False):
+                _run_ops(dtype, is_rms)
+    finally:
+        for name, kernel in originals.items():
+            setattr(triton_kernels, name, kernel)
+    return launches
+
+
+def _run_ops(dtype: torch.dtype, is_rms: bool) -> None:
+    def t(*shape):
+        return torch.ones(*shape, dtype=dtype, requires_grad=True)
+
+    x, y, r = t(2, HIDDEN), t(2, HIDDEN), t(2, HIDDEN)
+    w = [t(HIDDEN) for _ in range(3)]
+    b = [None] * 3 if is_rms else [t(HIDDEN) for _ in range(3)]
+    eps = 1e-5
+    outputs = [
+        triton_ops.NormFunction.apply(x, w[0], b[0], eps, is_rms),
+        # siamese entry (with and without the input norm), update+entry, and the merge
+        *triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
+                                        eps, is_rms, True)[::2],
+        *triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], None, None, 1.0,
+                                        eps, is_rms, True)[::2],
+        *triton_ops.EntryFunction.apply(x, y, r, w[0], b[0], w[1], b[1], w[2], b[2], 3.0,
+                                        eps, is_rms, True),
+        triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
+                                       eps, is_rms, False)[2],
+    ]
+    if is_rms:  # the dual update has no norm
+        outputs.append(triton_ops.DualUpdateFunction.apply(
+            x, y, r, 3.0, lambda packed: packed.chunk(2, dim=-1)))
+    torch.autograd.backward([o for o in outputs if o is not None],
+                            [torch.ones_like(o) for o in outputs if o is not None])
+
+
+def compile_launch(name: str, args: tuple, kwargs: dict, arch: int):
+    kernel = getattr(triton_kernels, name)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = kernel.arg_names
+    if set(names[len(args):]) != set(kwargs):
+        raise TypeError(f"{name}: constexprs {sorted(kwargs)} != {names[len(args):]}")
+    signature = {n: _arg_type(v) for n, v in zip(names[:len(args)], args, strict=True)}
+    signature.update(dict.fromkeys(names[len(args):], "constexpr"))
+    source = ASTSource(kernel, signature, constexprs=dict(kwargs))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def main(arch: int) -> None:
+    seen, report = set(), []
+    for name, args, kwargs in record_launches():
+        types = tuple(_arg_type(a) for a in args)
+        key = (name, types, tuple(sorted(kwargs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        constexprs = {k: v for k, v in kwargs.items() if k != "num_warps"}
+        compiled = compile_launch(name, args, dict(kwargs), arch)
+        report.append({"kernel": name, "dtypes": sorted({t for t in types if t[0] == "*"}),
+                       "constexprs": constexprs, "cubin_bytes": len(compiled.asm["cubin"])})
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
