@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from kernels import dispatch
 from model import parallel
 from model.builder import build_model, wrap_ddp
 from model.checkpoint import load_model, save_model
@@ -58,6 +59,8 @@ def run_layout(layout: dict, schemes: list[str], workdir: str,
             mean = sum(map(sum, per_rank)) / sum(map(len, per_rank))
             with open(os.path.join(workdir, scheme, "loss.json"), "w") as f:
                 json.dump(mean, f)
+            with open(os.path.join(workdir, scheme, "norm_backend"), "w") as f:
+                f.write(dispatch.active_backend().value)
         record_depth_scales(chunks, os.path.join(workdir, scheme))
         grads_into_params(chunks)
         save_model(chunks, os.path.join(workdir, scheme, "grads"))

@@ -75,7 +75,16 @@ def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
     check_layout(reference, layout, BASELINES, tmp_path)
 
 
-def check_layout(reference, layout: str, schemes: list[str], tmp_path) -> None:
+@pytest.mark.slow
+def test_fused_kernels_under_sequence_parallelism(reference, tmp_path, monkeypatch):
+    """The Triton kernels (CPU interpreter) at TP=2 with sequence parallelism match the torch
+    path unsharded: the norm weights they take get their gradients all-reduced over TP."""
+    monkeypatch.setenv("KERNELS_NORM_BACKEND", "triton")  # read by the spawned ranks
+    check_layout(reference, "tp2-sp", SCHEMES, tmp_path, backend="triton")
+
+
+def check_layout(reference, layout: str, schemes: list[str], tmp_path,
+                 backend: str = "torch") -> None:
     root, expected = reference
     # Each layout writes its losses and gradients into its own folder.
     work = tmp_path / "work"
@@ -88,6 +97,7 @@ def check_layout(reference, layout: str, schemes: list[str], tmp_path) -> None:
         loss = json.loads((work / scheme / "loss.json").read_text())
         loss_err = abs(loss - ref_loss) / abs(ref_loss)
         assert loss_err <= 1e-5, (scheme, loss, ref_loss)
+        assert (work / scheme / "norm_backend").read_text() == backend
         scales = {}
         for path in (work / scheme).glob("depth_scales.rank*.json"):
             scales.update({int(k): v for k, v in json.loads(path.read_text()).items()})
