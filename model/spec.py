@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from kernels import dispatch
 from kernels.norms import Norm
 from model.attention import QKVNormSelfAttention
 from model.backends import (
@@ -48,6 +49,18 @@ from model.layers.siamese import SiameseLayer
 from model.layers.siamese_hybrid import SiameseHybridLayer
 from model.schemes import ResidualScheme
 from model.sdpa_attention import SDPAttention
+
+
+def plain_norm():
+    """The class of every norm in the spec: megatron's ``TENorm`` (Transformer Engine's RMSNorm
+    or LayerNorm, which tags its own weights for sequence parallelism) when the norm backend is
+    ``te``, else :class:`~kernels.norms.Norm`, whose math ``kernels.dispatch`` picks (torch or
+    Triton). Both take megatron's norm arguments and keep ``weight``/``bias`` names, so a
+    checkpoint does not depend on the choice. The fused two-stream ops run their reference
+    composition over TE modules (TE has no two-stream fusion)."""
+    if dispatch.active_backend() is dispatch.NormBackend.TE:
+        return te_module("TENorm")
+    return Norm
 
 
 def linear_modules(model: ModelConfig) -> dict:
@@ -73,7 +86,7 @@ def attention_spec(model: ModelConfig, fuse_input_norm: bool = False) -> ModuleS
     """Self-attention (with per-head Q/K/V norms for QKV-norm schemes). ``fuse_input_norm``:
     the QKV projection applies the block's input norm itself (the layer's must be IdentityOp)."""
     qkv_norm = model.residual_scheme.qkv_norm
-    head_norm = Norm if qkv_norm else IdentityOp
+    head_norm = plain_norm() if qkv_norm else IdentityOp
     linears = linear_modules(model)
     return ModuleSpec(
         module=QKVNormSelfAttention if qkv_norm else SelfAttention,
@@ -109,7 +122,7 @@ def pre_norm_layer_spec(model: ModelConfig) -> ModuleSpec:
     """megatron's own Pre-Norm TransformerLayer. With TE linears its input and pre-MLP norms are
     fused into the QKV and fc1 projections (TE's LayerNormLinear), as in megatron's TE spec."""
     fused = linear_modules(model)["norm_column"] is not None
-    norm = IdentityOp if fused else Norm
+    norm = IdentityOp if fused else plain_norm()
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -157,7 +170,7 @@ def layer_spec(model: ModelConfig, index: int) -> ModuleSpec:
         module=layer_class,
         params=params,
         submodules=SchemeLayerSubmodules(
-            self_attention=attention, mlp=mlp, norm=Norm, norm_overrides=dropped
+            self_attention=attention, mlp=mlp, norm=plain_norm(), norm_overrides=dropped
         ),
     )
 
@@ -166,8 +179,8 @@ def final_norm(scheme: ResidualScheme):
     """What closes the block: the stream merge, nothing when every block ends in a norm
     (Post-Norm, DeepNorm), else a plain norm (Pre-Norm, HybridNorm, Mix-LN)."""
     if scheme.two_stream:
-        return partial(StreamMergeNorm, norm=Norm)
-    return None if scheme.ends_normalized else Norm
+        return partial(StreamMergeNorm, norm=plain_norm())
+    return None if scheme.ends_normalized else plain_norm()
 
 
 def block_spec(model: ModelConfig, config, vp_stage: int | None, pp_rank: int):

@@ -53,3 +53,23 @@ def test_norm_weights_marked_for_sequence_parallel_reduction(sp):
 def test_cpu_shim_is_inert_when_cuda_exists(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cpu_compat.install() is False
+
+
+class _StandInTENorm(Norm):
+    """Takes the place of megatron's TENorm, which cannot be imported without CUDA."""
+
+
+@pytest.mark.parametrize("scheme", ["pre", "post", "siamese", "siamese_hybrid", "hybridnorm"])
+def test_te_backend_puts_te_norms_everywhere_in_the_spec(single_rank, monkeypatch, scheme):
+    """Under ``kernels.norm_backend = te`` every norm the model holds is TE's."""
+    from model import spec
+    from model.builder import build_model
+    from model.config import ParallelConfig
+    from tests.helpers import tiny_model
+
+    monkeypatch.setattr(dispatch, "active_backend", lambda: dispatch.NormBackend.TE)
+    monkeypatch.setattr(spec, "te_module", lambda name: {"TENorm": _StandInTENorm}[name])
+    [model] = build_model(tiny_model(scheme, transformer_impl="local"),
+                          ParallelConfig(distributed_optimizer=False))
+    norms = [m for m in model.modules() if isinstance(m, Norm)]
+    assert norms and all(type(m) is _StandInTENorm for m in norms), scheme
