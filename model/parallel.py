@@ -24,12 +24,17 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
     """
     on_cpu = cpu_compat.install()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not launched by torchrun: a private one-rank group
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                              RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "gloo" if on_cpu else "nccl"
         if not on_cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+        if "RANK" in os.environ:  # launched by torchrun (or another launcher that sets it)
+            dist.init_process_group(backend=backend)
+        else:
+            # A private one-rank group. Its store listens on a port the OS picks as it binds,
+            # so concurrent runs on one machine cannot race for a port, and nothing goes into
+            # the environment, where child processes would mistake it for a launcher's.
+            store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

@@ -26,7 +26,7 @@ class OptimConfig:
 
     lr: float = 3e-4
     min_lr: float = 3e-5
-    warmup_steps: int = 100
+    warmup_steps: int = 10
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
