@@ -1,1 +1,2 @@
-"""torchrun and slurm launchers for single- and multi-node runs (arrive with the launch work)."""
+"""Launching training: torchrun on one node or many (torchrun.sh), slurm batch jobs with
+preemption and requeue (slurm/), and the run-complete check those jobs use (finished.py)."""

@@ -8,7 +8,8 @@ import torch
 
 from model import parallel
 from model.builder import build_model, count_parameters
-from model.config import ParallelConfig
+from model.config import ModelConfig, ParallelConfig
+from model.schemes import Recompute, ResidualScheme
 from pretrain.config import Config, validate
 from pretrain.rundir import to_toml
 
@@ -19,6 +20,46 @@ def _human(n: float) -> str:
             return f"{n:.2f}{unit}" if unit else f"{n:.0f}"
         n /= 1000
     return f"{n:.2f}P"
+
+
+_TWO_STREAM = (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID)
+
+
+def _layer_elements(m: ModelConfig, tp: int, sequence_parallel: bool) -> float:
+    """Values one transformer layer keeps for backward, per token (after Korthikanti et al.,
+    "Reducing Activation Recomputation in Large Transformer Models", without dropout, and
+    with fused attention, which keeps no s x s score matrix). Attention: norm input, QKV input,
+    Q, K, V, context; MLP: norm input, fc1 input, fc1 output (two-wide for SwiGLU), activation
+    output. The two-stream schemes keep both streams and their three norms' outputs per
+    sublayer: about 4h more per sublayer. Norm-side values split over TP only with sequence
+    parallelism; the rest always does."""
+    h, f = m.hidden_size, m.ffn_size
+    kv = m.kv_heads * (h // m.num_attention_heads)
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    per_token_norms = 2 * h + (8 * h if m.residual_scheme in _TWO_STREAM else 0)
+    sharded = 2 * h + h + 2 * kv + h + fc1 + f
+    return per_token_norms / (tp if sequence_parallel else 1) + sharded / tp
+
+
+def activation_bytes(config: Config, dp: int) -> float:
+    """Activation memory of the busiest GPU in one step: the first pipeline stage holds up to
+    pp micro-batches in flight (1F1B), i.e. about all layers' activations of one micro-batch;
+    full recomputation keeps only each layer's input plus one layer being recomputed. The
+    last stage adds fp32 logits and their gradient. An estimate, good to tens of percent."""
+    m, p, d = config.model, config.parallel, config.data
+    tokens = config.seq_length * d.micro_batch_size
+    width = 2 if config.run.params_dtype != "fp32" else 4
+    layer = _layer_elements(m, p.tp, p.sequence_parallel)
+    layers_per_stage = m.num_layers // p.pp
+    in_flight = min(p.pp, max(1, d.global_batch_size // (d.micro_batch_size * dp)))
+    if p.recompute is Recompute.FULL:
+        streams = 2 if m.residual_scheme in _TWO_STREAM else 1
+        kept = layers_per_stage * streams * m.hidden_size / (p.tp if p.sequence_parallel else 1)
+        per_microbatch = kept + layer
+    else:
+        per_microbatch = layers_per_stage * layer
+    logits = 2 * 4 * m.padded_vocab_size / p.tp
+    return tokens * (in_flight * per_microbatch * width + (logits if p.pp == 1 else 0))
 
 
 def dry_run(config: Config, world_size: int | None = None) -> str:
@@ -37,6 +78,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     per_gpu_params = params / (p.tp * p.pp)
     state_bytes = 12 / (dp if p.distributed_optimizer else 1)
     weights_gb = per_gpu_params * (2 + 4 + state_bytes) / 2**30
+    activations_gb = activation_bytes(config, dp) / 2**30
     lines = [
         to_toml(config).rstrip(),
         "",
@@ -49,7 +91,8 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         f"of {d.micro_batch_size} sequences per data-parallel rank",
         f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "
         f"total tokens: {_human(tokens_per_step * config.run.steps)}",
-        f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB "
-        "(activations not included)",
+        f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB",
+        f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
+        f"total about {weights_gb + activations_gb:.1f} GiB",
     ]
     return "\n".join(lines)

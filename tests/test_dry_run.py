@@ -1,25 +1,86 @@
 """`train --dry-run` resolves a preset and reports sizes and layout without training."""
 
+import json
 import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from tests.pretrain_fixtures import cli
-
-PRESETS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+from tests.pretrain_fixtures import REPO, cli, env
 
 
-@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
-def test_every_preset_dry_runs(preset, tmp_path):
-    done = cli("train", "--config", str(preset), "--dry-run", f"--run.dir={tmp_path / 'run'}")
-    out = done.stdout
+def _is_preset(path: Path) -> bool:
+    """Training configs, in sub-folders too. Not presets: bases that presets build on (named
+    _*.toml) and sweep descriptions (a [sweep] table, read by bench.lr_sweep)."""
+    return not path.name.startswith("_") and "sweep" not in tomllib.loads(path.read_text())
+
+
+PRESETS = sorted(filter(_is_preset, (REPO / "configs").rglob("*.toml")))
+PAPER = [p for p in PRESETS if p.is_relative_to(REPO / "configs" / "paper")]
+GPUS = (8, 32, 64)  # the paper presets' layouts are for these GPU counts
+GPU_MEMORY_GIB = 80 * 1e9 / 2**30
+
+
+def _check_report(out: str) -> float:
+    """The dry run's report holds what a user needs before launching; returns the memory total."""
     assert "[model]" in out and "residual_scheme" in out
     params = int(re.search(r"parameters: ([\d,]+)", out).group(1).replace(",", ""))
     assert params > 0
     assert re.search(r"tokens per step: [\d,]+; steps: [\d,]+", out)
     assert "layout: world" in out
+    memory = re.search(r"activations \(estimate\): [\d.]+ GiB; total about ([\d.]+) GiB", out)
+    assert memory, out
+    return float(memory.group(1))
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in PAPER],
+                         ids=lambda p: p.stem)
+def test_every_preset_dry_runs(preset, tmp_path):
+    done = cli("train", "--config", str(preset), "--dry-run", f"--run.dir={tmp_path / 'run'}")
+    _check_report(done.stdout)
     assert not (tmp_path / "run").exists(), "a dry run must not create the run folder"
+
+
+# Every paper preset through the real `python -m pretrain train --dry-run` entry point, in one
+# process: there are dozens (every residual scheme x every run), and a process per preset would
+# spend most of its time importing torch and megatron. The dry run prints at the smallest
+# recommended GPU count (the most memory per GPU); the larger ones re-check only the layout.
+_PAPER_DRY_RUNS = """
+import contextlib, io, json, os, sys
+from pretrain.__main__ import main
+from pretrain.config import load_config, validate
+run_dir, gpus, out = sys.argv[2], [int(n) for n in sys.argv[3].split(",")], {}
+user_env = {**os.environ, "WORLD_SIZE": sys.argv[1]}
+for preset in sys.argv[4:]:
+    os.environ.clear()  # each dry run starts as from the shell: its one-rank set-up sets RANK
+    os.environ.update(user_env)
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        status = main(["train", "--config", preset, "--dry-run", f"--run.dir={run_dir}"])
+    for world in gpus[1:]:
+        validate(load_config(preset), world_size=world)
+    out[preset] = [status, report.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_every_paper_preset_dry_runs_and_fits_8_32_and_64_gpus(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _PAPER_DRY_RUNS, str(GPUS[0]), str(run_dir),
+         ",".join(map(str, GPUS)), *map(str, PAPER)],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(reports) == sorted(map(str, PAPER))
+    for preset, (status, out) in reports.items():
+        assert status == 0, (preset, out)
+        assert f"layout: world {GPUS[0]} = tp 1 x pp 1 x dp {GPUS[0]}" in out, preset
+        assert _check_report(out) < 0.75 * GPU_MEMORY_GIB, (preset, out)  # room for the rest
+    assert not run_dir.exists(), "a dry run must not create the run folder"
 
 
 def test_dry_run_reflects_overrides_and_layout():
