@@ -1,0 +1,143 @@
+"""The learning-rate sweep's machinery: preset checks, run statuses, the report, and a real
+two-cell sweep that resumes (skipping the finished cell) and writes its CSV and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import lr_sweep, sweep_report
+from tests.pretrain_fixtures import make_corpus
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _preset(path: Path, grid: str, train: str = "", sweep: str = "") -> Path:
+    path.write_text(f"[sweep]\nout = \"{path.parent / 'out'}\"\n{sweep}\n"
+                    f"[train]\nrun.steps = 4\n{train}\n[[grid]]\n{grid}\n")
+    return path
+
+
+GRID = 'schemes = ["pre"]\nlrs = [1e-3]\nwarmup = [1]\nlayers = [2]\n'
+
+
+@pytest.mark.parametrize("grid, train, sweep, message", [
+    (GRID.replace('"pre"', '"prenorm"'), "", "", "unknown scheme 'prenorm'; known schemes: pre,"),
+    (GRID.replace("[1e-3]", "[]"), "", "", "lrs ([]) must be a non-empty list"),
+    (GRID.replace("[1e-3]", "[-1e-3]"), "", "", "lrs entry -0.001 must be in (0, 1)"),
+    (GRID.replace("[1]", "[1.5]"), "", "", "warmup entry 1.5 must be an integer >= 0"),
+    (GRID.replace("[2]", "[0]"), "", "", "layers entry 0 must be an integer >= 1"),
+    (GRID.replace("layers", "depth"), "", "", "unknown key 'depth'"),
+    (GRID.replace("[1]", "[8]"), "", "",
+     "cell pre-L2-lr0.001-wu8: optim.warmup_steps (8) must be >= 0 and < run.steps (4)"),
+    (GRID, "model.hiden_size = 3", "",
+     "cell pre-L2-lr0.001-wu1: unknown config key model.hiden_size"),
+    (GRID, "", "jobz = 2", "[sweep]: unknown key 'jobz'"),
+    (GRID, "", "jobs = 0", "[sweep] jobs (0) must be >= 1"),
+], ids=["scheme", "empty", "lr", "warmup", "layers", "grid-key", "warmup-vs-steps", "train-key",
+        "sweep-key", "jobs"])
+def test_preset_mistakes_are_one_line_errors(tmp_path, capsys, grid, train, sweep, message):
+    preset = _preset(tmp_path / "p.toml", grid, train, sweep)
+    assert lr_sweep.main(["--preset", str(preset), "--list"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_command_line_mistakes(tmp_path, capsys):
+    assert lr_sweep.main(["--preset", str(tmp_path / "none.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    preset = _preset(tmp_path / "p.toml", GRID)
+    assert lr_sweep.main(["--preset", str(preset), "--jobs", "0"]) == 2
+    assert "--jobs (0) must be >= 1" in capsys.readouterr().err
+    assert lr_sweep.main(["--preset", str(preset), "model.num_layers=3"]) == 2
+    assert "is not a --section.key=value override" in capsys.readouterr().err
+
+
+def _write_metrics(folder: Path, losses: list[float], val: dict[int, float]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": s, "val_loss": v} for s, v in val.items()]
+    rows += [{"step": i + 1, "loss": x, "grad_norm": 1.0, "tokens_per_s": 10.0}
+             for i, x in enumerate(losses)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("rc, losses, val, status", [
+    (0, [5.0, 4.0, 3.0, 2.5], {0: 5.5, 4: 3.0}, "ok"),
+    (0, [5.0, 6.0, 7.0, 8.0], {0: 5.5, 4: 8.0}, "diverged"),  # no better than at the start
+    (0, [5.0, 4.0, 3.0, 2.5], {0: 5.5, 4: float("nan")}, "diverged"),
+    (3, [5.0, float("nan")], {0: 5.5}, "diverged"),  # the trainer's NaN/Inf abort
+    (1, [5.0], {0: 5.5}, "failed"),  # anything else: retried on the next run
+])
+def test_run_status(tmp_path, rc, losses, val, status):
+    _write_metrics(tmp_path, losses, val)
+    result = lr_sweep.summarize_run(tmp_path, rc, 4)
+    assert result["status"] == status
+    if status == "ok":
+        assert result["final_val_loss"] == 3.0 and result["val_loss_step0"] == 5.5
+
+
+def test_collapsed_runs_are_marked_in_the_report():
+    ok = {"status": "ok", "final_val_loss": 6.0}
+    assert lr_sweep.mark_collapsed(ok, 5.9)["status"] == "collapsed"
+    assert lr_sweep.mark_collapsed(ok, 0.0)["status"] == "ok"  # 0: no threshold
+    assert lr_sweep.mark_collapsed({**ok, "final_val_loss": 4.0}, 5.9)["status"] == "ok"
+    assert lr_sweep.mark_collapsed({**ok, "status": "failed"}, 5.9)["status"] == "failed"
+    row = {"scheme": "post", "lr": 0.02, "layers": 12, "warmup": 15, "status": "collapsed",
+           "final_val_loss": 6.0}
+    assert "| post | collapsed (6.000) |" in sweep_report.markdown_tables([row])
+
+
+def test_loss_spikes_are_counted(tmp_path):
+    _write_metrics(tmp_path, [4.0] * 6 + [9.0] + [4.0] * 3, {0: 5.0, 10: 4.0})
+    assert lr_sweep.summarize_run(tmp_path, 0, 10)["loss_spikes"] == 1
+
+
+def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
+    rows = [{"name": "pre-L2-lr0.001-wu1", "grid": "g", "scheme": "pre", "layers": 2,
+             "lr": 1e-3, "warmup": 1, "status": "diverged", "final_val_loss": math.nan}]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    sweep_report.write_report(tmp_path, rows, {})
+    assert "plots need matplotlib" in capsys.readouterr().err
+    assert (tmp_path / "results.csv").is_file() and "| pre | diverged |" in (
+        tmp_path / "table.md").read_text()
+    assert not (tmp_path / "val_loss_vs_lr.png").exists()
+
+
+def test_two_cell_sweep_resumes_and_reports(tmp_path, capsys):
+    """One cell, then a grid of two: the finished cell is skipped (its folder untouched),
+    the other runs, and the CSV, table and both plots cover both; a third run with other
+    settings refuses to mix them into the same table."""
+    data = make_corpus(tmp_path / "corpus")
+    train = "\n".join([
+        "model.hidden_size = 32", "model.num_attention_heads = 2", "model.ffn_hidden_size = 64",
+        "model.seq_length = 32", "model.vocab_size = 512", "data.micro_batch_size = 4",
+        "data.global_batch_size = 4", "run.eval_iters = 1", "run.eval_interval = 100",
+        "run.save_interval = 0", "diagnostics.interval = 2",
+        f"data.prefixes = [\"{data['prefix']}\"]", f"data.tokenizer = \"{data['tokenizer']}\""])
+    first = _preset(tmp_path / "one.toml", GRID, train)
+    both = _preset(tmp_path / "two.toml", GRID.replace('["pre"]', '["pre", "siamese"]'), train)
+    assert lr_sweep.main(["--preset", str(first)]) == 0
+    out = tmp_path / "out"
+    pre = out / "cells" / "pre-L2-lr0.001-wu1"
+    log = (pre / "train.log").read_text()
+    assert lr_sweep.main(["--preset", str(both), "--jobs", "2"]) == 0
+    assert "2 cells, 1 finished, 1 to run" in capsys.readouterr().out
+    assert (pre / "train.log").read_text() == log  # not run again
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [(r["scheme"], r["status"]) for r in rows] == [("pre", "ok"), ("siamese", "ok")]
+    for row in rows:
+        assert float(row["final_val_loss"]) < float(row["val_loss_step0"])
+    siamese = rows[1]
+    assert 0 < float(siamese["merge_x_share"]) < 1 and math.isnan(float(rows[0]["merge_x_share"]))
+    for png in ("val_loss_vs_lr.png", "loss_curves.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+    assert "| pre | " in (out / "table.md").read_text()
+    assert not (pre / "checkpoints").exists()  # finished cells keep no checkpoint
+    assert lr_sweep.main(["--preset", str(both), "--optim.weight_decay=0.0"]) == 2
+    assert "was trained with other settings" in capsys.readouterr().err
