@@ -19,6 +19,7 @@ def package_version(name: str) -> str:
 def versions_line() -> str:
     cuda = f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""
     return (f"torch {torch.__version__}{cuda}, megatron-core {package_version('megatron-core')}, "
+            f"triton {package_version('triton')}, "
             f"transformer-engine {package_version('transformer-engine')}")
 
 

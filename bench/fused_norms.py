@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import markdown_table, package_version
+from bench.common import markdown_table, versions_line
 
 SEQ = 4096
 
@@ -210,9 +210,7 @@ def main(argv=None) -> int:
         print("bench.fused_norms: needs a CUDA GPU (none found here); nothing measured")
         return 0
     results, copy_gbs = measure(args)
-    header = (f"{torch.cuda.get_device_name()}; torch {torch.__version__} (CUDA "
-              f"{torch.version.cuda}), triton {package_version('triton')}, transformer-engine "
-              f"{package_version('transformer-engine')}; {SEQ * args.batch} tokens x "
+    header = (f"{torch.cuda.get_device_name()}; {versions_line()}; {SEQ * args.batch} tokens x "
               f"{args.hidden}, bf16, {args.norm}; device copy {copy_gbs:,.0f} GB/s; median of "
               f"{args.iters}")
     print(report(results, copy_gbs, header))

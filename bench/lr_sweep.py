@@ -27,7 +27,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -39,13 +38,12 @@ from pathlib import Path
 
 from bench.sweep_report import write_report
 from model.config import ConfigError
+from model.parallel import standalone_env
 from model.schemes import ResidualScheme
 from pretrain.config import load_config
 from pretrain.diagnostics import LossSpikeDetector
 
 REPO = Path(__file__).resolve().parent.parent
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 DEMO_DATA = "runs/demo-data"
 
 
@@ -307,7 +305,7 @@ class Sweep:
         folder.mkdir(parents=True, exist_ok=True)
         # Each cell is a one-process run of its own: a launcher's variables in this
         # environment (a sweep started under torchrun) must not make it join that group.
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        env = standalone_env()
         env.update(OMP_NUM_THREADS=str(self.settings["threads"]), PYTHONPATH=str(REPO))
         began = time.perf_counter()
         with (folder / "train.log").open("a") as log:

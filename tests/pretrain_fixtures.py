@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import pydoc_data.topics
 import subprocess
 import sys
 from pathlib import Path
+
+from model.parallel import standalone_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,9 +38,7 @@ def make_corpus(folder: Path) -> dict[str, str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    launcher = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    base = {k: v for k, v in os.environ.items() if k not in launcher}
-    return {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    return {**standalone_env(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
 
 
 def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,

@@ -25,6 +25,7 @@ from model.backends import te_available
 from model.builder import build_model, wrap_ddp
 from model.checkpoint import load_model, save_model
 from model.config import ParallelConfig
+from model.parallel import standalone_env
 from model.schedule import forward_backward
 from model.sdpa_attention import SDPAttention
 from tests.helpers import MBS, SEQ, batches, spawn, tiny_model
@@ -191,9 +192,8 @@ def test_cpu_build_never_imports_transformer_engine():
     """Building every scheme with every CPU backend (and importing the GPU benchmark) makes no
     import of transformer_engine from this repository's code and leaves it out of sys.modules.
     The control proves the watcher sees our imports: with CUDA faked, the TE check imports."""
-    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launch}  # its own one-rank group
-    result = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-c", PROBE, str(ROOT)], cwd=ROOT,
+                            env=standalone_env(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
