@@ -94,7 +94,7 @@ def measure(args, scheme: str) -> dict:
     """Time ``args.steps`` steps after ``args.warmup`` (the first step allocates the optimizer
     state, so the memory baseline is only right after it)."""
     from kernels import dispatch
-    from model import parallel
+    from model import device, parallel
     from model.backends import resolve_attention_backend, resolve_transformer_impl
     from model.builder import count_parameters
     from model.config import ParallelConfig
@@ -103,7 +103,7 @@ def measure(args, scheme: str) -> dict:
 
     parallel.initialize(ParallelConfig())
     chunks, optimizer, config = build(args, scheme)
-    batch = random_batch(args.vocab, args.micro_batch, args.seq, torch.cuda.current_device())
+    batch = random_batch(args.vocab, args.micro_batch, args.seq, device.compute_device())
     fwd_bwd, steps, activation, losses = [], [], 0, []
     for index in range(args.warmup + args.steps):
         if optimizer is not None:
@@ -112,7 +112,7 @@ def measure(args, scheme: str) -> dict:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        losses += forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)
+        losses += forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)  # tensors
         torch.cuda.synchronize()
         middle = time.perf_counter()
         peak = torch.cuda.max_memory_allocated() - before
@@ -123,16 +123,17 @@ def measure(args, scheme: str) -> dict:
             fwd_bwd.append(middle - start)
             steps.append(time.perf_counter() - start)
             activation = max(activation, peak)
+    losses = [float(loss) for loss in losses]
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: non-finite loss {losses}")
     parameters = count_parameters(chunks)
-    throughput = Throughput(config, parameters)
+    throughput = Throughput(config)
     parallel.destroy()
     return {
         "scheme": scheme, "parameters": parameters, "fwd_bwd_s": fwd_bwd, "step_s": steps,
         "activation_bytes": activation, "first_loss": losses[0],
         "flops_per_step": throughput.flops_per_step, "peak_tflops": throughput.peak,
-        "device": torch.cuda.get_device_name(),
+        "device": device.device_name(),
         "attention": str(resolve_attention_backend(config.model.attention_backend)),
         "linears": str(resolve_transformer_impl(config.model.transformer_impl)),
         "norms": str(dispatch.active_backend()),
@@ -175,7 +176,7 @@ def report(args, results: dict[str, dict]) -> None:
           f"norms {first['norms']}; recompute none")
     print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
           f"process per scheme; step = {step_kind}; tokens/s, TFLOP/s and MFU from the step "
-          "time; FLOPs/token = 6 x params + 12 x layers x hidden x seq (pretrain/throughput.py); "
+          "time; FLOPs/token by Megatron-LM's formula (pretrain/throughput.py); "
           "activation = peak allocated in fwd+bwd minus weights, grads, optimizer state")
     print(f"{TARGETS}\n")
     stats = {scheme: summarise(r) for scheme, r in results.items()}

@@ -306,7 +306,8 @@ class Sweep:
         # Each cell is a one-process run of its own: a launcher's variables in this
         # environment (a sweep started under torchrun) must not make it join that group.
         env = standalone_env()
-        env.update(OMP_NUM_THREADS=str(self.settings["threads"]), PYTHONPATH=str(REPO))
+        path = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        env.update(OMP_NUM_THREADS=str(self.settings["threads"]), PYTHONPATH=path)
         began = time.perf_counter()
         with (folder / "train.log").open("a") as log:
             done = subprocess.run(self.command(cell), cwd=REPO, env=env, stdout=log,

@@ -33,6 +33,7 @@ import torch
 from megatron.core.transformer.identity_op import IdentityOp
 
 from kernels import reference
+from model import device
 
 
 class NormBackend(StrEnum):
@@ -45,7 +46,7 @@ class NormBackend(StrEnum):
 def _triton_reason() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (device.uses_cuda() or os.environ.get("TRITON_INTERPRET") == "1"):
         return "no CUDA device (Triton's CPU interpreter, TRITON_INTERPRET=1, is for tests)"
     return None
 
@@ -62,7 +63,7 @@ def _te_importable() -> bool:
 def _te_reason() -> str | None:
     # TE is imported only after CUDA is known to exist: on a CUDA-less machine importing it
     # raises and breaks megatron's own imports.
-    if not torch.cuda.is_available():
+    if not device.uses_cuda():
         return "no CUDA device on this machine"
     return None if _te_importable() else "transformer_engine is not installed or failed to import"
 
@@ -78,7 +79,7 @@ _active: NormBackend | None = None
 
 def _resolve(requested: NormBackend) -> NormBackend:
     if requested is NormBackend.AUTO:
-        triton_usable = torch.cuda.is_available() and _triton_reason() is None
+        triton_usable = device.uses_cuda() and _triton_reason() is None
         return NormBackend.TRITON if triton_usable else NormBackend.TORCH
     reason = unavailable_reason(requested)
     if reason is not None:

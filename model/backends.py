@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from enum import StrEnum
 
-import torch
+from model import device
 
 
 class AttentionBackend(StrEnum):
@@ -38,7 +38,7 @@ class TransformerImpl(StrEnum):
 
 def te_unavailable_reason() -> str | None:
     """Why TE cannot be used on this machine, or None when it can."""
-    if not torch.cuda.is_available():
+    if not device.uses_cuda():
         return "no CUDA device on this machine"
     if not _te_importable():
         return "transformer_engine is not installed or failed to import"

@@ -18,6 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 
+from model import device
 from model.config import ModelConfig, ParallelConfig
 from model.grads import finalize_grads
 from model.megatron_config import transformer_config
@@ -58,10 +59,11 @@ def build_model(
             rotary_base=model.rotary_base,
             vp_stage=vp_stage,
         )
-        # Weights are drawn on the CPU (use_cpu_initialization) so every layout starts alike;
-        # compute runs on the GPU. A model built on the meta device (shapes only) stays there.
-        if torch.cuda.is_available() and not any(p.is_meta for p in chunk.parameters()):
-            chunk.cuda(torch.cuda.current_device())
+        # Weights are drawn on the CPU (use_cpu_initialization) so every layout starts alike,
+        # then move to the device this process computes on. A model built on the meta device
+        # (shapes only) stays there.
+        if not any(p.is_meta for p in chunk.parameters()):
+            chunk.to(device.compute_device())
         chunks.append(chunk)
     return chunks
 

@@ -17,6 +17,8 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from model import device
+
 _installed = False
 _lock = threading.Lock()
 
@@ -101,7 +103,7 @@ def _patch_causal_mask() -> None:
 def install() -> bool:
     """Install the CPU redirections once per process. Returns True when they are active."""
     global _installed
-    if torch.cuda.is_available():
+    if device.uses_cuda():
         return False
     with _lock:
         if _installed:

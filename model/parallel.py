@@ -12,21 +12,21 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from model import cpu_compat
+from model import cpu_compat, device
 from model.config import ParallelConfig
 
 
 def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Join (or create, for a single process) the default group and build megatron's groups.
 
-    Uses gloo without CUDA (the CPU shim is installed first) and NCCL with it. A process
-    started without torchrun gets a one-rank group on a free local port.
+    The process is bound to its device first (:mod:`model.device`): NCCL on its GPU, or gloo
+    on the CPU with the CPU shim installed. A process started without torchrun gets a one-rank
+    group on a free local port.
     """
-    on_cpu = cpu_compat.install()
+    cpu_compat.install()
     if not dist.is_initialized():
-        backend = "gloo" if on_cpu else "nccl"
-        if not on_cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = device.distributed_backend()
+        device.select()
         if "RANK" in os.environ:  # launched by torchrun (or another launcher that sets it)
             dist.init_process_group(backend=backend)
         else:

@@ -32,10 +32,12 @@ def forward_step(data_iterator: Iterator[dict], model):
 def forward_backward(
     chunks: list, microbatches: Iterable[dict], num_microbatches: int, seq_length: int,
     micro_batch_size: int, forward_only: bool = False,
-) -> list[float]:
+) -> list[torch.Tensor]:
     """Run the schedule over DDP-wrapped chunks (:func:`model.builder.wrap_ddp`); returns the
-    per-microbatch losses on the last pipeline stage (empty elsewhere). Gradients are left in
-    the chunks' ``main_grad`` buffers, finalised across ranks."""
+    per-microbatch losses on the last pipeline stage (empty elsewhere) as 0-dim tensors on the
+    compute device, so that a training step reads them back to the host once, not once per
+    micro-batch. Gradients are left in the chunks' ``main_grad`` buffers, finalised across
+    ranks."""
     batches = list(microbatches)
     iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     for chunk in chunks:
@@ -51,4 +53,4 @@ def forward_backward(
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
-    return [float(r["lm loss"]) for r in results]
+    return [r["lm loss"] for r in results]

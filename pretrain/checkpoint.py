@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from torch.distributed.checkpoint.api import CheckpointException
 
+from model import device
 from model.checkpoint import load_model, model_sharded_state_dict
 from model.config import ConfigError
 from pretrain.optim import check_schedule, load_state, prime_state
@@ -49,7 +50,7 @@ def _rng_state() -> dict:
     return {
         "python": random.getstate(), "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state() if device.uses_cuda() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
 
@@ -58,7 +59,7 @@ def _set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state["cuda"] is not None and device.uses_cuda():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

@@ -9,6 +9,7 @@ and the value.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -82,6 +83,9 @@ class RunConfig:
     Ignored when the run folder already holds a checkpoint to resume from."""
     params_dtype: str = "auto"
     """auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
+    deterministic: bool = False
+    """Bit-reproducible GPU kernels (cuBLAS, NCCL, SDPA backward; see model.device), so the
+    same command, or a resume, gives identical losses on a GPU too. Costs some throughput."""
 
 
 @dataclass
@@ -94,6 +98,9 @@ class LoggingConfig:
     entity: str = ""
     group: str = ""
     name: str = ""
+    peak_tflops: float = 0.0
+    """The accelerator's dense bf16 peak TFLOP/s for MFU (0: known from the device name; no
+    MFU is reported for a device not in pretrain.throughput.PEAK_TFLOPS)."""
 
 
 @dataclass
@@ -290,6 +297,8 @@ def validate(config: Config, world_size: int | None = None) -> None:
     _require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
     _require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
     _require(dg.spike_window >= 1, f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
+    _require(math.isfinite(lg.peak_tflops) and lg.peak_tflops >= 0,
+             f"logging.peak_tflops ({lg.peak_tflops}) must be >= 0 (0: from the device name)")
     _require(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
              f"logging.wandb_mode ({lg.wandb_mode!r}) must be auto, online, offline or disabled")
     if world_size is not None:

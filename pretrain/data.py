@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from model import device
 from model.config import ConfigError
 from pretrain.config import Config
 from pretrain.prepare import check_dataset
@@ -86,12 +87,9 @@ def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     keys = ("tokens", "labels", "loss_mask", "position_ids")
-    return {k: torch.stack([s[k] for s in samples]).to(_device()) for k in keys}
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    target = device.compute_device()
+    return {k: torch.stack([s[k] for s in samples]).to(target, non_blocking=True)
+            for k in keys}
 
 
 def step_microbatches(dataset, step: int, global_batch: int, micro_batch: int) -> Iterator[dict]:

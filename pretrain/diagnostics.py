@@ -37,7 +37,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from model import streams
+from model import device, streams
 
 # Per-block columns of the statistics tensor (sums, reduced across ranks before use).
 _X_SQ, _Y_SQ, _COUNT, _X_GRAD, _Y_GRAD = range(5)
@@ -106,8 +106,8 @@ class StreamDiagnostics:
         self.data_parallel = parallel_state.get_data_parallel_world_size()
         self.handles: list = []
         self.measured: int | None = None
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.stats = torch.zeros(num_layers + 1, 5, dtype=torch.float64, device=device)
+        self.stats = torch.zeros(num_layers + 1, 5, dtype=torch.float64,
+                                 device=device.compute_device())
 
     def wants(self, step: int) -> bool:
         """Whether 1-based ``step`` is measured."""

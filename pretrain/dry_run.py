@@ -12,6 +12,7 @@ from model.config import ModelConfig, ParallelConfig
 from model.schemes import Recompute, ResidualScheme
 from pretrain.config import Config, validate
 from pretrain.rundir import to_toml
+from pretrain.throughput import flops_per_token
 
 
 def _human(n: float) -> str:
@@ -91,6 +92,9 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         f"of {d.micro_batch_size} sequences per data-parallel rank",
         f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "
         f"total tokens: {_human(tokens_per_step * config.run.steps)}",
+        f"model FLOPs per token (forward + backward, Megatron-LM's formula): "
+        f"{flops_per_token(config) / 1e9:.2f} GFLOP; per step: "
+        f"{flops_per_token(config) * tokens_per_step / 1e12:,.1f} TFLOP",
         f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB",
         f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
         f"total about {weights_gb + activations_gb:.1f} GiB",

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from model import device
 from model.config import ConfigError
 from pretrain.config import Config
 
@@ -49,7 +50,7 @@ def run_metadata(parameters: int) -> dict:
         "python": platform.python_version(), "torch": torch.__version__,
         "megatron_core": version("megatron-core"), "git_commit": commit or "unknown",
         "world_size": dist.get_world_size(), "parameters": parameters,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device.device_name(),
     }
 
 

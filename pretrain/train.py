@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import Float16Module
 
 from kernels import dispatch
-from model import parallel
+from model import device, parallel
 from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ConfigError
 from model.schedule import forward_backward
@@ -55,35 +56,53 @@ class _StopRequest:
                  signal.Signals(signum).name)
         self.requested = True
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank was signalled."""
-        flag = torch.tensor([float(self.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
 
 def params_dtype(config: Config) -> torch.dtype:
     choice = config.run.params_dtype
     if choice == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return torch.bfloat16 if device.uses_cuda() else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
 
 
-def _mean_over_dp(losses: list[float]) -> float:
-    """The batch loss on every rank: the logging ranks of the last stage contribute."""
-    holds = bool(losses) and parallel_state.get_tensor_model_parallel_rank() == 0
-    total = torch.tensor([sum(losses) / len(losses) if holds else 0.0, float(holds)],
-                         dtype=torch.float64)
-    dist.all_reduce(total)
-    return (total[0] / total[1]).item()
+class StepStatus(NamedTuple):
+    loss: float
+    """The batch loss: the mean over data-parallel replicas of their micro-batch means."""
+    finite: bool
+    """The loss and every gradient on every rank are finite."""
+    stop: bool
+    """Some rank was asked (by a signal) to stop."""
 
 
-def _grads_finite(chunks) -> bool:
-    finite = all(torch.isfinite(buffer.grad_data).all().item()
-                 for chunk in chunks for buffer in chunk.buffers)
-    flag = torch.tensor([float(finite)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def _loss_share(losses: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """This rank's (mean micro-batch loss, weight) towards the batch loss: only the logging
+    ranks of the last pipeline stage (first TP rank) hold a loss; the others add zero."""
+    if losses and parallel_state.get_tensor_model_parallel_rank() == 0:
+        return torch.stack(losses).double().mean(), 1.0
+    return torch.zeros((), dtype=torch.float64, device=device.compute_device()), 0.0
+
+
+def step_status(losses: list[torch.Tensor], chunks, stop: _StopRequest) -> StepStatus:
+    """Everything a step's host-side decisions need, agreed by every rank in one all-reduce
+    and read back to the host once (one synchronisation per step)."""
+    loss, weight = _loss_share(losses)
+    nonfinite = sum((~torch.isfinite(buffer.grad_data).all()).double()
+                    for chunk in chunks for buffer in chunk.buffers)
+    flags = torch.tensor([weight, float(stop.requested)], dtype=torch.float64,
+                         device=loss.device)
+    totals = torch.cat([loss.reshape(1), flags, torch.as_tensor(nonfinite).reshape(1).to(loss)])
+    dist.all_reduce(totals)
+    loss_sum, holders, stops, bad = totals.tolist()
+    mean = loss_sum / holders
+    return StepStatus(mean, math.isfinite(mean) and bad == 0, stops > 0)
+
+
+def _mean_loss(per_batch: list[torch.Tensor]) -> float:
+    """The mean over batches of the batch loss (mean over data-parallel replicas), read back
+    once."""
+    shares = [_loss_share(losses) for losses in per_batch]
+    totals = torch.stack([torch.stack([loss, loss.new_tensor(weight)]) for loss, weight in shares])
+    dist.all_reduce(totals)
+    return float((totals[:, 0] / totals[:, 1]).mean())
 
 
 def evaluate(config: Config, chunks, dataset) -> dict:
@@ -91,23 +110,23 @@ def evaluate(config: Config, chunks, dataset) -> dict:
     d = config.data
     for chunk in chunks:
         chunk.eval()
-    losses = []
+    per_batch = []
     with torch.no_grad():
         for i in range(config.run.eval_iters):
             batch = step_microbatches(dataset, i, d.global_batch_size, d.micro_batch_size)
             n = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
-            losses.append(_mean_over_dp(forward_backward(
-                chunks, batch, n, config.seq_length, d.micro_batch_size,
-                forward_only=True)))
+            per_batch.append(forward_backward(
+                chunks, batch, n, config.seq_length, d.micro_batch_size, forward_only=True))
     for chunk in chunks:
         chunk.train()
-    loss = sum(losses) / len(losses)
+    loss = _mean_loss(per_batch)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0))}
 
 
 def _model_parameters(chunks) -> int:
     """Parameters of the whole model: this rank's share summed over TP and PP ranks."""
-    total = torch.tensor([count_parameters(chunks)], dtype=torch.int64)
+    total = torch.tensor([count_parameters(chunks)], dtype=torch.int64,
+                         device=device.compute_device())
     dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return int(total.item())
 
@@ -116,6 +135,8 @@ def setup(config: Config):
     """Process groups, tokenizer and DDP-wrapped model; shared by training and evaluation."""
     # Check the layout against the launch before megatron builds groups (it would assert).
     validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if config.run.deterministic:  # before NCCL and cuBLAS start
+        device.make_deterministic()
     parallel.initialize(config.parallel, seed=config.run.seed)
     try:  # before the model is built, so every norm uses the chosen kernels
         dispatch.set_backend(config.kernels.norm_backend)
@@ -154,7 +175,7 @@ def train(config: Config) -> dict:
     train_set, valid_set = build_datasets(config, tokenizer)
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
     stop = _StopRequest()
-    throughput = Throughput(config, parameters)
+    throughput = Throughput(config)
     diag = diagnostics.build(config, chunks)  # None when off: no hooks at all
     micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
     tokens_per_step = d.global_batch_size * config.seq_length
@@ -169,10 +190,11 @@ def train(config: Config) -> dict:
             losses = forward_backward(chunks, step_microbatches(
                 train_set, step, d.global_batch_size, d.micro_batch_size),
                 micro, config.seq_length, d.micro_batch_size)
-        loss = _mean_over_dp(losses)
+        status = step_status(losses, chunks, stop)
+        loss = status.loss
         grad_norm = float("nan")
         lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
-        if math.isfinite(loss) and _grads_finite(chunks):
+        if status.finite:
             _, grad_norm, _ = optimizer.step()
             scheduler.step(increment=1)
             bad_in_a_row = 0
@@ -200,7 +222,7 @@ def train(config: Config) -> dict:
                 f"checkpoint: {checkpoint.resolve(ckpt_root)}")
         if r.eval_iters and step % r.eval_interval == 0 and step < r.steps:
             metrics.log({"step": step, **evaluate(config, chunks, valid_set)})
-        stopping = stop.agreed()
+        stopping = status.stop
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
             checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last)
         if stopping:

@@ -13,6 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from model import device as compute
 from model import parallel
 from model.config import ParallelConfig
 
@@ -34,9 +35,26 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _rewrite_interpreted_kernels()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def exact_fp32_matmuls():
+    """fp32 means fp32: tests compare against float64 transcriptions of the equations with
+    fp32 tolerances, which TF32 matrix products (10-bit mantissa) would not meet on a GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 @pytest.fixture(scope="session")
-def single_rank():
-    """megatron's parallel state for one process (TP = PP = 1), shared by in-process tests."""
+def device() -> torch.device:
+    """The device in-process tests compute on: this process's GPU with CUDA, else the CPU
+    (model.device decides, as in training). Models built by megatron land there; a test puts
+    its inputs there too."""
+    return compute.select()
+
+
+@pytest.fixture(scope="session")
+def single_rank(device):
+    """megatron's parallel state for one process (TP = PP = 1), shared by in-process tests:
+    NCCL on the GPU with CUDA, gloo on the CPU without."""
     parallel.initialize(ParallelConfig(), seed=1234)
     yield
     parallel.destroy()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.multiprocessing as mp
 
+from model import device
 from model.config import ModelConfig
 from model.parallel import free_port
 
@@ -23,16 +26,19 @@ def tiny_model(scheme: str, **overrides) -> ModelConfig:
 
 
 def batches(count: int, seed: int = 0, seq: int = SEQ, mbs: int = MBS) -> list[dict]:
-    """Fixed microbatches of random tokens, identical in every process."""
+    """Fixed microbatches of random tokens, identical in every process, on the device this
+    process computes on (drawn on the CPU, so the tokens do not depend on the device)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
         tokens = torch.randint(0, VOCAB, (mbs, seq + 1), generator=gen)
+        tokens = tokens.to(device.compute_device())
         out.append({
             "tokens": tokens[:, :-1].contiguous(),
             "labels": tokens[:, 1:].contiguous(),
-            "loss_mask": torch.ones(mbs, seq),
-            "position_ids": torch.arange(seq).unsqueeze(0).expand(mbs, -1).contiguous(),
+            "loss_mask": torch.ones(mbs, seq, device=tokens.device),
+            "position_ids": torch.arange(seq, device=tokens.device).unsqueeze(0)
+            .expand(mbs, -1).contiguous(),
         })
     return out
 
@@ -46,7 +52,32 @@ def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
     fn(*args)
 
 
+# What makes a child process compute on the CPU whatever this machine has: no visible GPU
+# (model.device then picks the CPU and gloo) and Triton kernels in its interpreter.
+CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+
+
+@contextlib.contextmanager
+def children_on_cpu() -> Iterator[None]:
+    """Processes started inside this block inherit :data:`CPU_ONLY_ENV`."""
+    saved = {k: os.environ.get(k) for k in CPU_ONLY_ENV}
+    os.environ.update(CPU_ONLY_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def spawn(world: int, fn, *args) -> None:
-    """Run ``fn(*args)`` on ``world`` gloo ranks; raises if any rank fails."""
-    mp.start_processes(_bootstrap, args=(world, free_port(), fn, args), nprocs=world,
-                       join=True, start_method="spawn")
+    """Run ``fn(*args)`` on ``world`` gloo ranks on the CPU; raises if any rank fails.
+
+    Deliberately CPU even on a GPU machine: these tests compare a sharded model with an
+    unsharded one, which needs ``world`` devices, and one GPU cannot host two NCCL ranks.
+    (The NCCL versions of the parity tests, marked ``gpu``, need two GPUs.)"""
+    with children_on_cpu():
+        mp.start_processes(_bootstrap, args=(world, free_port(), fn, args), nprocs=world,
+                           join=True, start_method="spawn")

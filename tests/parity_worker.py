@@ -51,7 +51,7 @@ def run_layout(layout: dict, schemes: list[str], workdir: str,
         chunks = wrap_ddp(build_model(tiny_model(scheme, **(model_overrides or {})), par), par)
         load_model(chunks, os.path.join(workdir, scheme, "weights"))
         mine = batches(MICROBATCHES)[dp_rank::dp]
-        losses = forward_backward(chunks, mine, len(mine), SEQ, MBS)
+        losses = [float(loss) for loss in forward_backward(chunks, mine, len(mine), SEQ, MBS)]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, losses)
         if dist.get_rank() == 0:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import pydoc_data.topics
 import subprocess
 import sys
 from pathlib import Path
 
 from model.parallel import standalone_env
+from tests.helpers import CPU_ONLY_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +40,12 @@ def make_corpus(folder: Path) -> dict[str, str]:
 
 
 def env(**extra: str) -> dict[str, str]:
-    return {**standalone_env(), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    """The environment of a CLI child process: on the CPU whatever this machine has, because
+    these tests check CPU behaviour exactly (bit-identical resumes, fp32 losses) and many
+    start several ranks; tests/test_gpu_e2e.py runs the same CLI on a GPU."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**standalone_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
+            **CPU_ONLY_ENV, **extra}
 
 
 def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,

@@ -147,8 +147,9 @@ def test_values_on_a_model_with_known_streams(single_rank, scheme):
     model = tiny_model(scheme)
     chunks = wrap_ddp(build_model(model, ParallelConfig()), ParallelConfig())
     gpt = chunks[0].module
-    table = torch.randn(gpt.embedding.word_embeddings.weight.shape,
-                        generator=torch.Generator().manual_seed(3))
+    embedding = gpt.embedding.word_embeddings.weight
+    table = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(3))
+    table = table.to(embedding.device)
     with torch.no_grad():
         gpt.embedding.word_embeddings.weight.copy_(table)
         for layer in gpt.decoder.layers:

@@ -1,10 +1,11 @@
 """Each scheme's logits and gradients equal a plain-PyTorch transcription of its equations.
 
 The reference below is written from the equations in the SiameseNorm notes (not from the model
-code): it reads the model's weights by name and recomputes everything in float64 with
-explicit attention, RoPE and SwiGLU. Megatron's fused-QKV layout (per K/V group: the group's
-query heads, then its key head, then its value head) and SwiGLU's [gate; up] fc1 are the only
-facts taken from megatron.
+code): it reads the model's weights by name and recomputes everything in float64 on the CPU
+with explicit attention, RoPE and SwiGLU, whatever device the model runs on (TF32 is off in
+tests, so a GPU model computes in true fp32 and meets the same tolerance). Megatron's
+fused-QKV layout (per K/V group: the group's query heads, then its key head, then its value
+head) and SwiGLU's [gate; up] fc1 are the only facts taken from megatron.
 """
 
 import math
@@ -37,7 +38,7 @@ SCHEMES = [
 class Reference:
     def __init__(self, cfg, params):
         self.cfg = cfg
-        self.p = {k: v.detach().double().requires_grad_(True) for k, v in params.items()}
+        self.p = {k: v.detach().cpu().double().requires_grad_(True) for k, v in params.items()}
         self.eps = cfg.norm_eps
 
     def norm(self, x, name):
@@ -143,12 +144,13 @@ class Reference:
 
 
 def rel_err(a, b) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+    a, b = a.detach().cpu().double(), b.detach().cpu().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm"])
 @pytest.mark.parametrize("scheme,extra", SCHEMES, ids=lambda v: str(v) if v else "")
-def test_logits_and_grads_match_equations(single_rank, scheme, extra, normalization):
+def test_logits_and_grads_match_equations(single_rank, device, scheme, extra, normalization):
     torch.manual_seed(0)
     cfg = tiny_model(scheme, normalization=normalization, **extra)
     [model] = build_model(cfg, ParallelConfig())
@@ -159,14 +161,14 @@ def test_logits_and_grads_match_equations(single_rank, scheme, extra, normalizat
                 param.add_(0.3 * torch.randn_like(param))
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(2, -1)
-    logits = model(tokens, positions, None)
+    logits = model(tokens.to(device), positions.to(device), None)
     ref = Reference(cfg, dict(model.named_parameters()))
     expected = ref.logits(tokens)
     assert logits.shape == expected.shape
     assert rel_err(logits, expected) <= 1e-5
 
     probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
-    (logits * probe).sum().backward()
+    (logits * probe.to(device)).sum().backward()
     (expected * probe.double()).sum().backward()
     for name, param in model.named_parameters():
         assert param.grad is not None, name

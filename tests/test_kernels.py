@@ -16,10 +16,14 @@ def config(normalization="RMSNorm", sequence_parallel=False, tp=1):
 
 
 def test_auto_resolves_and_force_restores():
-    assert dispatch.set_backend("auto") is dispatch.NormBackend.TORCH
+    """auto is the fused Triton path on a GPU (Triton is a dependency) and the torch
+    reference on a CPU machine, where Triton would only run in its interpreter."""
+    expected = dispatch.NormBackend.TRITON if torch.cuda.is_available() \
+        else dispatch.NormBackend.TORCH
+    assert dispatch.set_backend("auto") is expected
     with dispatch.forced_backend("torch") as backend:
         assert dispatch.active_backend() is backend
-    assert dispatch.active_backend() is dispatch.NormBackend.TORCH
+    assert dispatch.active_backend() is expected
 
 
 def test_unknown_backend_is_one_clear_line():
@@ -29,15 +33,15 @@ def test_unknown_backend_is_one_clear_line():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
-def test_norm_matches_torch_modules(kind, dtype, tol):
+def test_norm_matches_torch_modules(kind, dtype, tol, device):
     torch.manual_seed(0)
-    norm = Norm(config(kind), hidden_size=300, eps=1e-5)
+    norm = Norm(config(kind), hidden_size=300, eps=1e-5).to(device)
     reference = (torch.nn.RMSNorm(300, eps=1e-5) if kind == "RMSNorm"
-                 else torch.nn.LayerNorm(300, eps=1e-5))
+                 else torch.nn.LayerNorm(300, eps=1e-5)).to(device)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
         reference.weight.copy_(norm.weight)
-    x = torch.randn(7, 300) * 3 + 1
+    x = (torch.randn(7, 300) * 3 + 1).to(device)
     out = norm(x.to(dtype))
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference(x), rtol=tol, atol=tol)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench import lr_sweep, sweep_report
+from tests.helpers import children_on_cpu
 from tests.pretrain_fixtures import make_corpus
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -112,7 +113,13 @@ def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
 def test_two_cell_sweep_resumes_and_reports(tmp_path, capsys):
     """One cell, then a grid of two: the finished cell is skipped (its folder untouched),
     the other runs, and the CSV, table and both plots cover both; a third run with other
-    settings refuses to mix them into the same table."""
+    settings refuses to mix them into the same table. The cells train on the CPU on any
+    machine: this tests the sweep's machinery, not the device."""
+    with children_on_cpu():
+        _two_cell_sweep(tmp_path, capsys)
+
+
+def _two_cell_sweep(tmp_path, capsys):
     data = make_corpus(tmp_path / "corpus")
     train = "\n".join([
         "model.hidden_size = 32", "model.num_attention_heads = 2", "model.ffn_hidden_size = 64",

@@ -18,7 +18,7 @@ def grads_with(scheme: str, **parallel) -> tuple[list[float], dict, int]:
     watched = layer.self_attention.core_attention if par.recompute == "selective" else layer
     calls = []
     watched.register_forward_hook(lambda *_: calls.append(1))
-    losses = forward_backward([ddp], batches(2), 2, SEQ, MBS)
+    losses = [float(loss) for loss in forward_backward([ddp], batches(2), 2, SEQ, MBS)]
     grads = {n: p.main_grad.clone() for n, p in ddp.module.named_parameters()}
     return losses, grads, len(calls)
 
