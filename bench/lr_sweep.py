@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
