@@ -10,6 +10,7 @@ independent. Activation memory is the peak allocated during forward+backward min
 allocated just before it (bf16 weights, fp32 gradient buffers, optimizer state).
 
     python -m bench.gpu_step [--layers 16 --micro-batch 1 --steps 10 --warmup 3]
+    python -m bench.gpu_step --deterministic      # the cost of run.deterministic
 
 If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line.
 """
@@ -54,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transformer-impl", default="auto")
     p.add_argument("--no-optimizer", action="store_true",
                    help="time forward+backward only (no optimizer state, no AdamW step)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bit-reproducible kernels, as run.deterministic (model.device)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -101,6 +104,8 @@ def measure(args, scheme: str) -> dict:
     from model.schedule import forward_backward
     from pretrain.throughput import Throughput
 
+    if args.deterministic:
+        device.make_deterministic()
     parallel.initialize(ParallelConfig())
     chunks, optimizer, config = build(args, scheme)
     batch = random_batch(args.vocab, args.micro_batch, args.seq, device.compute_device())
@@ -173,7 +178,8 @@ def report(args, results: dict[str, dict]) -> None:
     print(f"shape: {args.layers} layers x {args.hidden} hidden, {args.heads} heads / {kv} KV, "
           f"SwiGLU {args.ffn}, seq {args.seq}, micro-batch {args.micro_batch}, vocab "
           f"{args.vocab}; bf16; attention {first['attention']}, linears {first['linears']}, "
-          f"norms {first['norms']}; recompute none")
+          f"norms {first['norms']}; recompute none"
+          + ("; deterministic kernels (run.deterministic)" if args.deterministic else ""))
     print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
           f"process per scheme; step = {step_kind}; tokens/s, TFLOP/s and MFU from the step "
           "time; FLOPs/token by Megatron-LM's formula (pretrain/throughput.py); "

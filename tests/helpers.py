@@ -49,6 +49,7 @@ def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+    torch.backends.cuda.matmul.allow_tf32 = False  # as in the test process (conftest.py)
     fn(*args)
 
 
@@ -72,12 +73,13 @@ def children_on_cpu() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def spawn(world: int, fn, *args) -> None:
-    """Run ``fn(*args)`` on ``world`` gloo ranks on the CPU; raises if any rank fails.
+def spawn(world: int, fn, *args, gpu: bool = False) -> None:
+    """Run ``fn(*args)`` on ``world`` ranks; raises if any rank fails.
 
-    Deliberately CPU even on a GPU machine: these tests compare a sharded model with an
-    unsharded one, which needs ``world`` devices, and one GPU cannot host two NCCL ranks.
-    (The NCCL versions of the parity tests, marked ``gpu``, need two GPUs.)"""
-    with children_on_cpu():
+    gloo ranks on the CPU unless ``gpu``, deliberately also on a GPU machine: these tests
+    compare a sharded model with an unsharded one, which needs ``world`` devices, and one GPU
+    cannot host two NCCL ranks. With ``gpu`` each rank takes its own GPU and NCCL (the
+    ``gpu``-marked parity tests, on machines with enough GPUs)."""
+    with contextlib.nullcontext() if gpu else children_on_cpu():
         mp.start_processes(_bootstrap, args=(world, free_port(), fn, args), nprocs=world,
                            join=True, start_method="spawn")

@@ -39,24 +39,25 @@ def make_corpus(folder: Path) -> dict[str, str]:
             "prefix": str(folder / "topics")}
 
 
-def env(**extra: str) -> dict[str, str]:
-    """The environment of a CLI child process: on the CPU whatever this machine has, because
-    these tests check CPU behaviour exactly (bit-identical resumes, fp32 losses) and many
-    start several ranks; tests/test_gpu_e2e.py runs the same CLI on a GPU."""
+def env(gpu: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a CLI child process. On the CPU whatever this machine has, unless
+    ``gpu``: most tests check CPU behaviour exactly (bit-identical resumes, fp32 losses) and
+    many start several ranks; tests/test_gpu_e2e.py runs the same CLI on a GPU."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**standalone_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
-            **CPU_ONLY_ENV, **extra}
+            **({} if gpu else CPU_ONLY_ENV), **extra}
 
 
 def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,
-        timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m pretrain ARGS`` (through torchrun with ``nproc`` ranks when > 1)."""
+        timeout: int = 300, gpu: bool = False) -> subprocess.CompletedProcess:
+    """``python -m pretrain ARGS`` (through torchrun with ``nproc`` ranks when > 1), on the CPU
+    unless ``gpu``."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "pretrain", *args]
     else:
         cmd = [sys.executable, "-m", "pretrain", *args]
-    done = subprocess.run(cmd, cwd=REPO, env=env(**(extra_env or {})), capture_output=True,
+    done = subprocess.run(cmd, cwd=REPO, env=env(gpu, **(extra_env or {})), capture_output=True,
                           text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")

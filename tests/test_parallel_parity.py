@@ -111,15 +111,25 @@ def test_fused_kernels_under_sequence_parallelism(reference, tmp_path, monkeypat
     check_layout(reference, "tp2-sp", SCHEMES, tmp_path, backend="triton")
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per NCCL rank)")
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_nccl_layouts_match_one_gpu(reference, layout, tmp_path):
+    """TP=2 and PP=2 on NCCL, one GPU per rank with the fused kernels, match the unsharded
+    model on one GPU (fp32, TF32 off)."""
+    check_layout(reference, layout, SCHEMES, tmp_path, backend="triton", gpu=True)
+
+
 def check_layout(reference, layout: str, schemes: list[str], tmp_path,
-                 backend: str = "torch") -> None:
+                 backend: str = "torch", gpu: bool = False) -> None:
     root, expected = reference
     # Each layout writes its losses and gradients into its own folder.
     work = tmp_path / "work"
     for scheme in schemes:
         (work / scheme).mkdir(parents=True)
         os.symlink(root / scheme / "weights", work / scheme / "weights")
-    spawn(WORLD[layout], run_layout, LAYOUTS[layout], schemes, str(work))
+    spawn(WORLD[layout], run_layout, LAYOUTS[layout], schemes, str(work), gpu=gpu)
     for scheme in schemes:
         ref_loss, ref_grads = expected[scheme]
         loss = json.loads((work / scheme / "loss.json").read_text())

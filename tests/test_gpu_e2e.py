@@ -1,0 +1,132 @@
+"""The CLI on a GPU, end to end: bf16 training on real text with diagnostics, checkpoints,
+SIGTERM and resume (bit-identical with ``run.deterministic``, within bf16 noise without it),
+and ``eval`` reproducing the final validation loss. Skipped without CUDA.
+
+The other CLI tests (tests/test_pretrain.py) pin their children to the CPU, where every run is
+exact; these are their GPU counterparts, one process on one GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.pretrain_fixtures import (
+    REPO,
+    cli,
+    env,
+    make_corpus,
+    metrics,
+    train_losses,
+    val_losses,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+STEPS = 40
+# A small siamese model that still runs real GPU kernels: bf16 (params_dtype auto on a GPU),
+# SDPA attention, the fused Triton norms (norm_backend auto on a GPU).
+MODEL = [
+    "--model.residual_scheme=siamese", "--model.num_layers=4", "--model.hidden_size=256",
+    "--model.num_attention_heads=4", "--model.num_query_groups=2",
+    "--model.ffn_hidden_size=704", "--model.seq_length=128", "--model.vocab_size=512",
+    "--data.micro_batch_size=8", "--data.global_batch_size=16",
+    "--optim.lr=2e-3", "--optim.warmup_steps=5", f"--run.steps={STEPS}",
+    "--run.eval_iters=2", "--run.eval_interval=20", "--run.save_interval=20",
+    "--run.log_interval=1", "--diagnostics.interval=10", "--logging.wandb_mode=disabled",
+]
+DETERMINISTIC = "--run.deterministic=true"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def _args(data: dict, run: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(REPO / "configs" / "demo-cpu.toml"), *MODEL,
+            f"--data.prefixes=[\"{data['prefix']}\"]", f"--data.tokenizer={data['tokenizer']}",
+            f"--run.dir={run}", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """An uninterrupted deterministic run."""
+    run = tmp_path_factory.mktemp("reference") / "run"
+    cli(*_args(data, run, DETERMINISTIC), gpu=True)
+    return run
+
+
+def _stop_and_resume(data, run: Path, *extra: str) -> int:
+    """Start a run, SIGTERM it once step 5 is logged, check it saved and exited cleanly,
+    resume it to the end; returns the step it stopped at."""
+    args = _args(data, run, *extra)
+    log = run.parent / "stopped.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO,
+                                env=env(gpu=True), stdout=out, stderr=out)
+        deadline = time.time() + 300
+        while not ((run / "metrics.jsonl").is_file()
+                   and any(r.get("step", 0) >= 5 and "loss" in r for r in metrics(run))):
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.time() < deadline, "the run never reached step 5"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-2000:]
+    stopped_at = int((run / "checkpoints" / "latest").read_text().split("_")[1])
+    assert 5 <= stopped_at < STEPS, f"stopped at {stopped_at}: signal too late to test resume"
+    cli(*args, gpu=True)
+    return stopped_at
+
+
+def test_gpu_run_learns_and_logs_gpu_metrics_and_diagnostics(reference):
+    records = metrics(reference)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    first, last = val_losses(reference)[0], val_losses(reference)[-1]
+    assert last < first - 1.0, (first, last)
+    for record in steps:
+        assert record["tflops_per_gpu"] > 0 and record["peak_memory_gb"] > 0
+        assert all(math.isfinite(record[k]) for k in ("loss", "grad_norm", "tokens_per_s"))
+    device = json.loads((reference / "versions.json").read_text())["device"]
+    if any(name in device for name in ("H100", "H200", "A100", "B200")):
+        assert 0 < steps[-1]["mfu"] < 1, device
+    diag = [r for r in records if "diag/merge/x_share" in r]
+    assert [r["step"] for r in diag] == [10, 20, 30, 40]
+    assert all(0 < r["diag/merge/x_share"] < 1 and r["diag/y_rms/block03"] > 0 for r in diag)
+    assert (reference / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
+
+
+def test_gpu_deterministic_resume_is_bit_identical(data, reference, tmp_path):
+    run = tmp_path / "run"
+    _stop_and_resume(data, run, DETERMINISTIC)
+    assert train_losses(run) == train_losses(reference)  # exact, step by step
+    assert val_losses(run)[-1] == val_losses(reference)[-1]
+
+
+def test_gpu_resume_without_determinism_stays_within_bf16_noise(data, reference, tmp_path):
+    """Without run.deterministic, kernels such as SDPA's backward and cuBLAS's reductions
+    vary from run to run, so a resumed run matches the deterministic reference only to bf16
+    noise; a resume that lost the optimizer state or the data position would not."""
+    run = tmp_path / "run"
+    _stop_and_resume(data, run)
+    got, want = train_losses(run), train_losses(reference)
+    assert got.keys() == want.keys()
+    worst = max(abs(got[s] - want[s]) / want[s] for s in want)
+    print(f"\nmax relative loss difference over {STEPS} steps: {worst:.2e}")
+    assert worst <= 1e-2, worst
+
+
+def test_gpu_eval_reproduces_the_final_validation_loss(reference):
+    done = cli("eval", "--config", str(reference / "config.toml"),
+               "--checkpoint", str(reference / "checkpoints"), gpu=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["checkpoint"].endswith(f"step_{STEPS:08d}")
+    assert result["val_loss"] == pytest.approx(val_losses(reference)[-1], rel=1e-6)
