@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench lint
+.PHONY: setup test demo bench lint gpu-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -17,6 +17,12 @@ demo: setup
 
 bench: setup
 	$(PY) -m bench.schemes
+
+# On a GPU node: the GPU-only tests (the rest run in `make test`), then the GPU benchmarks.
+gpu-check: setup
+	$(PY) -m pytest -q -m gpu -rs
+	$(PY) -m bench.fused_norms
+	$(PY) -m bench.gpu_step --rounds 3
 
 lint: setup
 	$(PY) -m ruff check .

@@ -91,6 +91,8 @@ CASES = {
                    c["data"]["tokenizer"][:-len(".model")], "--vocab-size", "512"],
         ["tok.model", "already exists"]),
     "unknown command": (lambda c: ["fly"], ["command line", "fly"]),
+    "negative peak TFLOP/s": (lambda c: _train(c, "--logging.peak_tflops=-989"),
+                              ["logging.peak_tflops (-989.0)", ">= 0"]),
     "no validation share": (lambda c: _train(c, "--data.split=100,0,0"),
                             ["data.split ('100,0,0')", "valid split", "topics'"]),
     # 2% of 20 documents rounds to none: megatron would loop forever looking for tokens.
