@@ -24,6 +24,7 @@ corpus, tokenizer and dataset are prepared once if missing. The report (``result
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import itertools
 import json
 import math
@@ -249,10 +250,12 @@ def _median(values: list[float]) -> float:
 
 
 class Sweep:
-    def __init__(self, preset: Path, out: Path | None, jobs: int | None, extra: list[str]):
+    def __init__(self, preset: Path, out: Path | None, jobs: int | None, extra: list[str],
+                 only: list[str] = ()):
         self.settings, self.common, self.cells = load_preset(preset)
         self.out = out or REPO / self.settings["out"]
         self.jobs = jobs if jobs is not None else self.settings["jobs"]
+        self.only = list(only)  # --only NAME_GLOB patterns; empty: every cell
         _check(self.jobs >= 1, f"--jobs ({self.jobs}) must be >= 1")
         self.extra = extra
         self.python = sys.executable
@@ -335,12 +338,20 @@ class Sweep:
     def report(self) -> None:
         done = [(c, self.result(c)) for c in self.cells]
         done = [(c, r) for c, r in done if r is not None]
-        rows = [mark_collapsed(r, self.settings["collapse_loss"]) for _, r in done]
+        rows = [self.judged(r) for _, r in done]
         write_report(self.out, rows, {r["name"]: _metrics(self.cell_dir(c)) for c, r in done})
+
+    def judged(self, result: dict) -> dict:
+        """A cell's result with the preset's collapse rule applied: the one status vocabulary
+        of the console, the CSV, the table and the plots."""
+        return mark_collapsed(result, self.settings["collapse_loss"])
+
+    def selected(self, cell: Cell) -> bool:
+        return not self.only or any(fnmatch.fnmatchcase(cell.name, p) for p in self.only)
 
     def run(self) -> int:
         self.check()
-        todo = [c for c in self.cells if self.result(c) is None]
+        todo = [c for c in self.cells if self.result(c) is None and self.selected(c)]
         print(f"{len(self.cells)} cells, {len(self.cells) - len(todo)} finished, "
               f"{len(todo)} to run with {self.jobs} job(s); output in {self.out}", flush=True)
         if todo and self.settings["data"] == "demo":
@@ -349,7 +360,7 @@ class Sweep:
         began = time.perf_counter()
 
         def one(cell: Cell) -> dict:
-            result = self.run_cell(cell)
+            result = self.judged(self.run_cell(cell))
             print(f"[{time.perf_counter() - began:7.0f}s] {cell.name}: {result['status']} "
                   f"val_loss {result['final_val_loss']:.4f} ({result['wall_s']:.0f}s)",
                   flush=True)
@@ -388,18 +399,24 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--out", type=Path, help="output folder (default: the preset's)")
     parser.add_argument("--jobs", type=int, help="cells run at once (default: the preset's)")
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    parser.add_argument("--only", action="append", metavar="NAME_GLOB", default=[],
+                        help="run only the cells whose name matches (e.g. 'siamese-*'); "
+                             "repeatable; the report still covers every finished cell")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the CSV, table and plots from finished cells")
     args, extra = parser.parse_known_args(argv)
     bad = [a for a in extra if not a.startswith("--") or "=" not in a]
     if bad:
         raise ConfigError(f"command line: {bad[0]!r} is not a --section.key=value override")
-    sweep = Sweep(args.preset, args.out, args.jobs, extra)
+    sweep = Sweep(args.preset, args.out, args.jobs, extra, args.only)
+    if args.only and not any(sweep.selected(c) for c in sweep.cells):
+        raise ConfigError(f"--only {' '.join(args.only)} matches no cell; --list shows them")
     if args.list:
         sweep.check()
         for cell in sweep.cells:
             done = sweep.result(cell)
-            print(f"{cell.grid:10s} {cell.name:40s} {done['status'] if done else '-'}")
+            status = sweep.judged(done)["status"] if done else "-"
+            print(f"{cell.grid:10s} {cell.name:40s} {status}")
         return 0
     if args.report_only:
         sweep.report()

@@ -126,13 +126,27 @@ def _pyplot():
     return plt
 
 
+# Narrower figures than this are unreadable (a one-panel sweep used to be 288 px wide).
+MIN_WIDTH_IN = 7.5
+
+
+def _figure(plt, panels: int, height: float):
+    """A grid of up to four panels per line, at least MIN_WIDTH_IN wide."""
+    columns = min(4, panels)
+    lines = math.ceil(panels / columns)
+    width = max(3.6 * columns, MIN_WIDTH_IN)
+    fig, axes = plt.subplots(lines, columns, figsize=(width, height * lines), squeeze=False)
+    return fig, axes
+
+
 def _legend(fig, plt, schemes: list[str], note: str, note_style: dict) -> None:
-    """One legend for the whole figure, below the panels (panels differ in their schemes)."""
+    """One legend for the whole figure, right of the panels (panels differ in their schemes);
+    the figure is saved with bbox_inches="tight", so it is never clipped."""
     colors = _colors()
     handles = [plt.Line2D([], [], color=colors.get(s), marker="o", markersize=4, label=s)
                for s in schemes]
     handles.append(plt.Line2D([], [], color="black", label=note, **note_style))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=8,
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
                frameon=False)
 
 
@@ -179,10 +193,7 @@ def plot_val_vs_lr(rows: list[dict], path: Path) -> None:
     panels += [(k, f, s) for k in ("layers", "warmup") for f, s in slices(rows, k)]
     if not panels:
         panels = [("lr", f, s) for f, s in slices(rows, "lr", 1)]
-    columns = min(4, len(panels))
-    lines = math.ceil(len(panels) / columns)
-    fig, axes = plt.subplots(lines, columns, figsize=(3.6 * columns, 3.1 * lines + 0.5),
-                             squeeze=False)
+    fig, axes = _figure(plt, len(panels), 3.1)
     for ax, (knob, fixed, subset) in zip(axes.flat, panels, strict=False):
         _draw_slice(ax, knob, subset)
         ax.set_title(f"by {AXIS[knob].replace('peak ', '')}: {_fixed_text(knob, fixed)}",
@@ -190,10 +201,10 @@ def plot_val_vs_lr(rows: list[dict], path: Path) -> None:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     schemes = sorted({r["scheme"] for r in rows}, key=_scheme_key)
+    fig.tight_layout()
     _legend(fig, plt, schemes, "collapsed (at its loss) / diverged (on top)",
             {"marker": "x", "linestyle": "none"})
-    fig.tight_layout(rect=(0, 0.5 / (3.1 * lines + 0.5), 1, 1))
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -201,10 +212,7 @@ def plot_loss_curves(rows: list[dict], curves: dict[str, list[dict]], path: Path
     plt = _pyplot()
     panels = sorted({(r["layers"], r["warmup"], r["lr"]) for r in rows},
                     key=lambda p: (p[0], -p[1], p[2]))
-    columns = min(4, len(panels))
-    lines = math.ceil(len(panels) / columns)
-    fig, axes = plt.subplots(lines, columns, figsize=(3.6 * columns, 2.8 * lines + 0.5),
-                             squeeze=False)
+    fig, axes = _figure(plt, len(panels), 2.8)
     colors = _colors()
     for ax, (layers, warmup, lr) in zip(axes.flat, panels, strict=False):
         low, start = math.inf, -math.inf
@@ -227,9 +235,9 @@ def plot_loss_curves(rows: list[dict], curves: dict[str, list[dict]], path: Path
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     schemes = sorted({r["scheme"] for r in rows}, key=_scheme_key)
+    fig.tight_layout()
     _legend(fig, plt, schemes, "collapsed or diverged", {"linestyle": ":"})
-    fig.tight_layout(rect=(0, 0.35 / (2.8 * lines + 0.5), 1, 1))
-    fig.savefig(path, dpi=72)
+    fig.savefig(path, dpi=72, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -11,8 +11,6 @@ Usage (after :func:`model.parallel.initialize`)::
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -23,17 +21,6 @@ from model.config import ModelConfig, ParallelConfig
 from model.grads import finalize_grads
 from model.megatron_config import transformer_config
 from model.spec import block_spec
-
-
-class _DropGPTModelNotice(logging.Filter):
-    """megatron 0.19 logs a deprecation notice for every GPTModel it builds; GPTModel is still
-    the dense decoder megatron's own training uses, so the notice is noise here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "GPTModel IS DEPRECATED" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelNotice())
 
 
 def build_model(

@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import sys
+from pathlib import Path
 
 from model.config import ConfigError
+from pretrain import console
+
+OVERRIDES_HELP = """\
+Any config field can be set on the command line as --section.key=value (command line >
+--config file > its base files > defaults), for example:
+  --optim.lr=1e-3 --run.dir=runs/lr1e-3 --model.num_layers=12 --run.deterministic=true
+Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
+  (--data.prefixes=data/a --data.prefixes=data/b), or TOML (--data.prefixes='["data/a"]');
+  --data.weights=0.3,0.7. Megatron-LM's weighted form ["0.3", "data/a", "0.7", "data/b"] is
+  accepted too. Sections: model, parallel, optim, data, run, logging, kernels, diagnostics;
+  every field is documented in model/config.py and pretrain/config.py.
+Without --config, train and eval use the config.toml of the run folder named by --run.dir
+(eval: the run folder holding --checkpoint)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
                        ("eval", "validation loss and perplexity of a checkpoint")):
-        c = sub.add_parser(name, help=text)
+        c = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("--config", help="TOML file (configs/*.toml)")
         if name == "train":
             c.add_argument("--dry-run", action="store_true",
@@ -45,13 +60,15 @@ def _parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--checkpoint", required=True,
                            help="a checkpoint folder, or a run's checkpoints/ folder")
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show every third-party warning and megatron's INFO logs")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Our progress at INFO; megatron's own INFO chatter (bucket layouts, dataset configs) off.
-    logging.basicConfig(level=logging.WARNING, format="[pretrain] %(message)s", stream=sys.stderr)
-    logging.getLogger("pretrain").setLevel(logging.INFO)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    console.setup(verbose="--verbose" in argv)  # before megatron is imported (its notices)
     try:
         args, overrides = _parser().parse_known_args(argv)
         bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
@@ -80,27 +97,50 @@ def _run(args, overrides: list[str]) -> int:
 
     from pretrain.config import load_config
 
-    config = load_config(args.config, overrides)
+    path = args.config or _run_folder_config(args, overrides)
+    config = load_config(path, overrides, training=args.command == "train")
     if args.command == "train" and args.dry_run:
         from pretrain.dry_run import dry_run
 
-        print(dry_run(config))
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank
+            print(dry_run(config))
         return 0
+    from pretrain.metrics import is_logging_rank
     from pretrain.train import TrainingAborted
 
     try:
         if args.command == "train":
             from pretrain.train import train
 
-            print(json.dumps(train(config)))
+            result = train(config)
         else:
             from pretrain.evaluate import evaluate_checkpoint
 
-            print(json.dumps(evaluate_checkpoint(config, args.checkpoint)))
+            result = evaluate_checkpoint(config, args.checkpoint)
     except TrainingAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    if is_logging_rank():  # the rank that holds the loss prints the result, once
+        print(json.dumps(result))
     return 0
+
+
+def _run_folder_config(args, overrides: list[str]) -> str:
+    """The config of an existing run when --config is not given: RUN/config.toml of
+    --run.dir, or for eval of the run folder holding --checkpoint."""
+    candidates = [Path(o.partition("=")[2]) / "config.toml"
+                  for o in overrides if o.startswith("--run.dir=")]
+    if args.command == "eval":
+        checkpoint = Path(args.checkpoint)
+        candidates += [folder / "config.toml"
+                       for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent)]
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    where = ("--run.dir=RUN of an existing run" if args.command == "train"
+             else "a --checkpoint inside a run folder that has config.toml")
+    raise ConfigError(f"{args.command} needs --config FILE (e.g. --config "
+                      f"configs/demo-cpu.toml), or {where}")
 
 
 if __name__ == "__main__":

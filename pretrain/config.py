@@ -9,6 +9,7 @@ and the value.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import types
@@ -58,6 +59,15 @@ class DataConfig:
     """Sequences per optimizer step (micro-batches are accumulated to reach it)."""
     cache_dir: str = ""
     """Where megatron caches its sample indices (default: <run.dir>/data_cache)."""
+
+    def __post_init__(self) -> None:
+        # Megatron-LM's weighted form, ["0.3", "data/a", "0.7", "data/b"], as its users write
+        # it: split into prefixes and weights.
+        pairs = self.prefixes
+        if (not self.weights and len(pairs) >= 2 and len(pairs) % 2 == 0
+                and all(_is_weight(w) for w in pairs[::2])):
+            self.weights = [float(w) for w in pairs[::2]]
+            self.prefixes = list(pairs[1::2])
 
 
 @dataclass
@@ -162,6 +172,10 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
         return _check_type(where, value, options[0])
     if origin is list:
         (item,) = typing.get_args(annotation)
+        if isinstance(value, str):  # a command-line list: a,b or [a, b] unquoted, or one item
+            body = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+            value = [part if item is str else _parse_scalar(part)
+                     for part in (p.strip().strip("'\"") for p in body.split(",")) if part]
         if not isinstance(value, list):
             raise ConfigError(f"{where} ({value!r}) must be a list")
         return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
@@ -181,10 +195,28 @@ def _build_section(name: str, cls: type, values: dict[str, Any]):
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:
-            raise ConfigError(f"unknown config key {name}.{key}; known keys: "
-                              f"{', '.join(sorted(known))}")
+            raise ConfigError(f"unknown config key {name}.{key}{_did_you_mean(key, known, name)}"
+                              f"; known keys: {', '.join(sorted(known))}")
     checked = {k: _check_type(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
     return cls(**checked)
+
+
+def _is_weight(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _did_you_mean(word: str, known, prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {prefix + '.' if prefix else ''}{close[0]}?)" if close else ""
+
+
+def _field_type(section: str, name: str) -> Any:
+    """The annotation of ``[section] name``, or None when there is no such field."""
+    cls = typing.get_type_hints(Config).get(section)
+    return typing.get_type_hints(cls).get(name) if cls is not None else None
 
 
 def _parse_scalar(text: str) -> Any:
@@ -198,13 +230,21 @@ def _parse_scalar(text: str) -> Any:
 def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dict]:
     """Apply ``--section.key=value`` arguments to a raw (TOML-shaped) config dict."""
     raw = {k: dict(v) for k, v in raw.items()}
+    repeated: set[str] = set()
     for item in overrides:
         body = item[2:] if item.startswith("--") else item
         key, sep, value = body.partition("=")
         section, dot, name = key.partition(".")
         if not sep or not dot or not name or "." in name:
             raise ConfigError(f"override {item!r} must look like --section.key=value")
-        raw.setdefault(section, {})[name] = _parse_scalar(value)
+        parsed = _parse_scalar(value)
+        if key in repeated and typing.get_origin(_field_type(section, name)) is list:
+            # A list key given again adds to the list: --data.prefixes=a --data.prefixes=b
+            earlier = raw[section][name]
+            parsed = (earlier if isinstance(earlier, list) else [earlier]) + (
+                parsed if isinstance(parsed, list) else [parsed])
+        repeated.add(key)
+        raw.setdefault(section, {})[name] = parsed
     return raw
 
 
@@ -237,20 +277,22 @@ def read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None, overrides: list[str] = (), training: bool = True) -> Config:
+    """The config of ``path`` with ``overrides``, validated; ``training=False`` (eval) leaves
+    out the rules only a training run needs (its LR schedule)."""
     raw = read_toml(Path(path)) if path is not None else {}
     raw = apply_overrides(raw, list(overrides))
     sections = {f.name: f for f in dataclasses.fields(Config)}
     built = {}
     for name, values in raw.items():
         if name not in sections:
-            raise ConfigError(f"unknown config section [{name}]; known sections: "
-                              f"{', '.join(sections)}")
+            raise ConfigError(f"unknown config section [{name}]{_did_you_mean(name, sections)}; "
+                              f"known sections: {', '.join(sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"config section [{name}] must be a table")
         built[name] = _build_section(name, typing.get_type_hints(Config)[name], values)
     config = Config(**built)
-    validate(config)
+    validate(config, training=training)
     return config
 
 
@@ -259,15 +301,21 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config: Config, world_size: int | None = None) -> None:
-    """Rules across sections; ``world_size`` adds the data-parallel rules."""
+def validate(config: Config, world_size: int | None = None, training: bool = True) -> None:
+    """Rules across sections; ``world_size`` adds the data-parallel rules; ``training``
+    the optimizer's and LR schedule's (evaluation needs neither)."""
     validate_layout(config.model, config.parallel)
     o, d, r, lg = config.optim, config.data, config.run, config.logging
-    _require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
-    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
-    _require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must be "
-             f">= 0 and < run.steps ({r.steps})")
-    _require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
+    if training:
+        _require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
+        _require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
+        _require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must "
+                 f"be >= 0 and < run.steps ({r.steps})")
+        _require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
+    for prefix in d.prefixes:
+        _require(not prefix.endswith((".bin", ".idx")),
+                 f"data.prefixes entry '{prefix}' names a file; give the dataset prefix without "
+                 f".bin/.idx ('{prefix[:-4]}')")
     for name in ("micro_batch_size", "global_batch_size"):
         value = getattr(d, name)
         _require(value >= 1, f"data.{name} ({value}) must be >= 1")

@@ -32,13 +32,22 @@ def sample_counts(config: Config) -> tuple[int, int]:
     return r.steps * batch, evaluations * max(r.eval_iters, 1) * batch
 
 
-def build_datasets(config: Config, tokenizer):
-    """(train, valid) GPTDatasets. Rank 0 builds megatron's index cache first; the other
-    ranks then read it, so no two processes write the same cache file."""
+def check_data(config: Config, tokenizer) -> None:
+    """Every prefix readable, within the tokenizer's vocabulary, and giving each split the run
+    reads at least one document: checked before the run folder is touched."""
     data = config.data
-    documents = {prefix: check_dataset(prefix, tokenizer.vocab_size) for prefix in data.prefixes}
+    dataset_config = _dataset_config(config, tokenizer)
+    sizes = sample_counts(config)
+    wanted = (sizes[0], sizes[1] if config.run.eval_iters else 0)
+    for prefix in data.prefixes:
+        count = check_dataset(prefix, tokenizer.vocab_size)
+        _check_split_not_empty(prefix, count, data.split, dataset_config.split_matrix, wanted)
+
+
+def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
+    data = config.data
     weights = data.weights or [1.0] * len(data.prefixes)
-    dataset_config = GPTDatasetConfig(
+    return GPTDatasetConfig(
         random_seed=config.run.seed,
         sequence_length=config.seq_length,
         blend=(list(data.prefixes), list(weights)),
@@ -51,10 +60,14 @@ def build_datasets(config: Config, tokenizer):
         create_attention_mask=False,
         mid_level_dataset_surplus=0.05,
     )
+
+
+def build_datasets(config: Config, tokenizer):
+    """(train, valid) GPTDatasets of data that passed :func:`check_data`. Rank 0 builds
+    megatron's index cache first; the other ranks then read it, so no two processes write the
+    same cache file."""
+    dataset_config = _dataset_config(config, tokenizer)
     sizes = [*sample_counts(config), 0]
-    wanted = (sizes[0], sizes[1] if config.run.eval_iters else 0)
-    for prefix, count in documents.items():
-        _check_split_not_empty(prefix, count, data.split, dataset_config.split_matrix, wanted)
 
     def build():
         return BlendedMegatronDatasetBuilder(

@@ -15,7 +15,7 @@ from pretrain.rundir import to_toml
 from pretrain.throughput import flops_per_token
 
 
-def _human(n: float) -> str:
+def human(n: float) -> str:
     for unit in ("", "K", "M", "B", "T"):
         if abs(n) < 1000:
             return f"{n:.2f}{unit}" if unit else f"{n:.0f}"
@@ -83,7 +83,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     lines = [
         to_toml(config).rstrip(),
         "",
-        f"parameters: {params:,} ({_human(params)})",
+        f"parameters: {params:,} ({human(params)})",
         f"layout: world {world} = tp {p.tp} x pp {p.pp} x dp {dp}"
         + (f", {p.vp} virtual stages per pipeline rank" if p.vp else "")
         + (", sequence parallel" if p.sequence_parallel else "")
@@ -91,7 +91,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         f"micro-batches per step: {d.global_batch_size // (d.micro_batch_size * dp)} "
         f"of {d.micro_batch_size} sequences per data-parallel rank",
         f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "
-        f"total tokens: {_human(tokens_per_step * config.run.steps)}",
+        f"total tokens: {human(tokens_per_step * config.run.steps)}",
         f"model FLOPs per token (forward + backward, Megatron-LM's formula): "
         f"{flops_per_token(config) / 1e9:.2f} GFLOP; per step: "
         f"{flops_per_token(config) * tokens_per_step / 1e12:,.1f} TFLOP",

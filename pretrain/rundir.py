@@ -54,8 +54,13 @@ def run_metadata(parameters: int) -> dict:
     }
 
 
-def prepare_run_dir(run_dir: Path, config: Config, parameters: int) -> None:
-    """Create the folder (rank 0), fail clearly if it is not writable, record the config."""
+def prepare_run_dir(run_dir: Path, config: Config, parameters: int, resuming: bool) -> None:
+    """Create the folder (rank 0), fail clearly if it is not writable, record the config.
+
+    ``config.toml`` is the config of the run that wrote the checkpoints: until a checkpoint
+    exists (``resuming`` False), each start replaces it, so a start that failed early leaves
+    nothing behind for the next start or for ``eval --config RUN/config.toml`` to trip over.
+    A resume with another config keeps the history as ``config-resume-N.toml``."""
     if dist.get_rank() == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -66,6 +71,10 @@ def prepare_run_dir(run_dir: Path, config: Config, parameters: int) -> None:
             raise ConfigError(f"run.dir '{run_dir}' is not writable: {err.strerror}") from None
         text = to_toml(config)
         target = run_dir / "config.toml"
+        if not resuming:
+            for stale in run_dir.glob("config-resume-*.toml"):
+                stale.unlink()
+            target.write_text(text)
         index = 1
         while target.exists() and target.read_text() != text:
             target = run_dir / f"config-resume-{index}.toml"

@@ -27,11 +27,18 @@ from model import device, parallel
 from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ConfigError
 from model.schedule import forward_backward
-from pretrain import checkpoint, diagnostics
+from pretrain import checkpoint, console, diagnostics
 from pretrain.config import Config, validate
-from pretrain.data import build_datasets, microbatches_per_step, step_microbatches
-from pretrain.metrics import MetricsLogger
+from pretrain.data import (
+    build_datasets,
+    check_data,
+    microbatches_per_step,
+    step_microbatches,
+)
+from pretrain.dry_run import human
+from pretrain.metrics import MetricsLogger, is_logging_rank
 from pretrain.optim import build_optimizer
+from pretrain.progress import Progress
 from pretrain.rundir import prepare_run_dir, run_metadata
 from pretrain.throughput import Throughput
 from pretrain.tokenizer import Tokenizer
@@ -131,10 +138,11 @@ def _model_parameters(chunks) -> int:
     return int(total.item())
 
 
-def setup(config: Config):
-    """Process groups, tokenizer and DDP-wrapped model; shared by training and evaluation."""
+def setup(config: Config, training: bool = True):
+    """Process groups, tokenizer and DDP-wrapped model; shared by training and evaluation
+    (``training=False``: the LR schedule is not checked)."""
     # Check the layout against the launch before megatron builds groups (it would assert).
-    validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)), training=training)
     if config.run.deterministic:  # before NCCL and cuBLAS start
         device.make_deterministic()
     parallel.initialize(config.parallel, seed=config.run.seed)
@@ -159,28 +167,40 @@ def train(config: Config) -> dict:
     Returns the final validation metrics."""
     run_dir = Path(config.run.dir)
     tokenizer, chunks = setup(config)
+    console.quiet_other_ranks(is_logging_rank())
     optimizer, scheduler = build_optimizer(config, chunks, params_dtype(config))
     parameters = _model_parameters(chunks)
-    prepare_run_dir(run_dir, config, parameters)
     r, d = config.run, config.data
     ckpt_root = run_dir / "checkpoints"
-    start = 0
     previous = checkpoint.resolve(ckpt_root)
+    check_data(config, tokenizer)  # a data mistake stops the run before it writes anything
+    prepare_run_dir(run_dir, config, parameters, resuming=previous is not None)
+    start = 0
     if previous is not None:
         start = checkpoint.load(previous, chunks, optimizer, scheduler)
-        log.info("resumed from %s at step %d", previous, start)
     elif r.init_from:
         checkpoint.load_weights(Path(r.init_from), chunks)
-        log.info("model weights initialised from %s", r.init_from)
+    announce(config, parameters, start, previous)
     train_set, valid_set = build_datasets(config, tokenizer)
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
+    progress = None  # made after the first validation, so that its ETA counts steps only
     stop = _StopRequest()
     throughput = Throughput(config)
     diag = diagnostics.build(config, chunks)  # None when off: no hooks at all
     micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
     tokens_per_step = d.global_batch_size * config.seq_length
+    def validation(at: int) -> dict:
+        result = evaluate(config, chunks, valid_set)
+        metrics.log({"step": at, **result})
+        say = progress.message if progress else log.info  # log.info: the logging rank only
+        say(f"validation at step {at}: loss {result['val_loss']:.4f}, "
+            f"perplexity {result['val_ppl']:.1f}")
+        return result
+
     if start == 0 and r.eval_iters:
-        metrics.log({"step": 0, **evaluate(config, chunks, valid_set)})
+        validation(0)
+    if is_logging_rank():
+        progress = Progress(start, r.steps, r.log_interval)
     bad_in_a_row = skipped = 0
     step = start
     while step < r.steps:
@@ -210,27 +230,58 @@ def train(config: Config) -> dict:
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
                       "skipped_steps": skipped, **throughput.measure(elapsed)}
             metrics.log(record)
-            log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", step, r.steps,
-                     loss, record["lr"], record["grad_norm"] or 0.0, record["tokens_per_s"])
+        else:
+            record = None
+        if progress:
+            progress.step(step, record)
         for extra in diag.records(step, loss) if diag else ():  # collective on a measured step
             metrics.log(extra)
         if bad_in_a_row >= r.max_nonfinite_steps:
+            if progress:
+                progress.close()
             metrics.finish()
             raise TrainingAborted(
                 f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
                 f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); last good "
                 f"checkpoint: {checkpoint.resolve(ckpt_root)}")
         if r.eval_iters and step % r.eval_interval == 0 and step < r.steps:
-            metrics.log({"step": step, **evaluate(config, chunks, valid_set)})
+            validation(step)
         stopping = status.stop
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
             checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last)
         if stopping:
-            log.info("stopped by signal after step %d; checkpoint saved", step)
+            if progress:
+                progress.message(f"stopped by signal after step {step}; checkpoint saved")
+                progress.close()
             metrics.finish()
             return {"stopped_at": step}
-    final = evaluate(config, chunks, valid_set) if r.eval_iters else {}
-    if final:
-        metrics.log({"step": step, **final})
+    if progress:
+        progress.close()
+    final = validation(step) if r.eval_iters else {}
     metrics.finish()
     return final
+
+
+def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:
+    """The first screen: what is trained, where, on what, and from which point."""
+    m, p, d, r = config.model, config.parallel, config.data, config.run
+    world = dist.get_world_size()
+    dp = world // (p.tp * p.pp)
+    where = device.compute_device()
+    hardware = f"{where} ({device.device_name()})" if device.uses_cuda() else "cpu"
+    tokens = d.global_batch_size * config.seq_length
+    log.info("training %s: %s parameters (%d layers x %d, %d heads), %s on %s",
+             m.residual_scheme, f"{parameters:,}", m.num_layers, m.hidden_size,
+             m.num_attention_heads, str(params_dtype(config)).removeprefix("torch."), hardware)
+    log.info("layout: world %d = tp %d x pp %d x dp %d; %d micro-batches of %d sequences per "
+             "step and data-parallel rank", world, p.tp, p.pp, dp,
+             d.global_batch_size // (d.micro_batch_size * dp), d.micro_batch_size)
+    log.info("data: %s; %s tokens per step x %s steps = %s tokens",
+             ", ".join(d.prefixes), f"{tokens:,}", f"{r.steps:,}", human(tokens * r.steps))
+    if previous is not None:
+        point = f"resuming from {previous} (step {start} of {r.steps})"
+    elif r.init_from:
+        point = f"starting at step 0 from the weights of {r.init_from}"
+    else:
+        point = "starting at step 0"
+    log.info("run folder: %s; %s", r.dir, point)

@@ -143,8 +143,32 @@ def _two_cell_sweep(tmp_path, capsys):
     siamese = rows[1]
     assert 0 < float(siamese["merge_x_share"]) < 1 and math.isnan(float(rows[0]["merge_x_share"]))
     for png in ("val_loss_vs_lr.png", "loss_curves.png"):
-        assert (out / png).read_bytes()[:8] == PNG
+        head = (out / png).read_bytes()
+        assert head[:8] == PNG
+        width = int.from_bytes(head[16:20], "big")  # the IHDR chunk's width
+        assert width >= 600, (png, width)  # one panel, legend beside it: still readable
     assert "| pre | " in (out / "table.md").read_text()
     assert not (pre / "checkpoints").exists()  # finished cells keep no checkpoint
     assert lr_sweep.main(["--preset", str(both), "--optim.weight_decay=0.0"]) == 2
     assert "was trained with other settings" in capsys.readouterr().err
+    # One status vocabulary: with a collapse threshold above every loss, the console, the CSV
+    # and the table all say "collapsed".
+    strict = _preset(tmp_path / "strict.toml", GRID.replace('["pre"]', '["pre", "siamese"]'),
+                     train, "collapse_loss = 100.0")
+    assert lr_sweep.main(["--preset", str(strict), "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("collapsed") == 2, listed
+    assert lr_sweep.main(["--preset", str(strict), "--report-only"]) == 0
+    assert {r["status"] for r in csv.DictReader((out / "results.csv").open())} == {"collapsed"}
+    assert "| collapsed" in (out / "table.md").read_text()
+    assert lr_sweep.main(["--preset", str(strict), "--only", "nomatch-*"]) == 2
+    assert "--only nomatch-* matches no cell" in capsys.readouterr().err
+
+
+def test_only_runs_the_matching_cells(tmp_path, capsys):
+    """--only NAME_GLOB picks the cells to run by name; the rest are not run (finished ones
+    still appear in the report)."""
+    preset = _preset(tmp_path / "p.toml", GRID.replace('["pre"]', '["pre", "siamese"]'))
+    sweep = lr_sweep.Sweep(preset, tmp_path / "out", None, [], ["siamese-*"])
+    assert [c.name for c in sweep.cells if sweep.selected(c)] == ["siamese-L2-lr0.001-wu1"]
+    assert [c.name for c in sweep.cells if not sweep.selected(c)] == ["pre-L2-lr0.001-wu1"]

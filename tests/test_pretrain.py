@@ -123,7 +123,11 @@ def test_tp2_pp2_match_single_process_and_checkpoints_reshard(data, reference, t
     for name, layout, nproc in (("single", [], 1), ("tp2", ["--parallel.tp=2"], 2),
                                 ("pp2", ["--parallel.pp=2"], 2)):
         runs[name] = tmp_path / name
-        cli(*train_args(data, runs[name], *common, *layout), nproc=nproc)
+        done = cli(*train_args(data, runs[name], *common, *layout), nproc=nproc)
+        # Only the rank holding the loss prints progress and the result, once.
+        assert done.stdout.count("{") == 1, done.stdout
+        assert sum(line.startswith("[pretrain] step 6/6") for line in
+                   done.stderr.splitlines()) == 1, done.stderr[-2000:]
     single = train_losses(runs["single"])
     for name in ("tp2", "pp2"):
         other = train_losses(runs[name])

@@ -1,0 +1,129 @@
+"""What a user sees: a quiet console with the run's facts and an ETA, forgiving overrides,
+the natural mistakes answered with their fix, and a run folder a failed start cannot spoil."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from model.config import ConfigError
+from pretrain.config import load_config
+from pretrain.progress import clock
+from tests.pretrain_fixtures import cli, make_corpus, train_args
+
+WARNING_LINE = re.compile(r"Warning|warnings\.warn|\[megatron\]")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_train_console_is_quiet_and_shows_the_run_then_progress(data, tmp_path):
+    run = tmp_path / "run"
+    done = cli(*train_args(data, run, "--run.steps=4", "--run.eval_interval=2"))
+    console = done.stderr.splitlines()
+    assert not [line for line in console if WARNING_LINE.search(line)], done.stderr
+    first = "\n".join(console[:4])
+    for fact in ("training siamese:", "parameters (2 layers x 64, 4 heads), float32 on cpu",
+                 "layout: world 1 = tp 1 x pp 1 x dp 1", "tokens per step x 4 steps",
+                 f"run folder: {run}; starting at step 0"):
+        assert fact in first, (fact, first)
+    steps = [line for line in console if line.startswith("[pretrain] step ")]
+    assert len(steps) == 4
+    assert re.search(r"step 2/4 \(50%\) loss \d\.\d{4} lr .* tok/s \| elapsed \d+s, ETA \d+s",
+                     steps[1]), steps[1]
+    assert [line for line in console if "validation at step" in line][-1].startswith(
+        "[pretrain] validation at step 4: loss ")
+    assert json.loads(done.stdout.strip().splitlines()[-1])["val_loss"] > 0
+    verbose = cli("eval", "--config", str(run / "config.toml"), "--checkpoint",
+                  str(run / "checkpoints"), "--verbose")
+    assert re.search(r"UserWarning: Transformer Engine and Apex are not installed",
+                     verbose.stderr), verbose.stderr[-2000:]
+
+
+def test_clock():
+    assert [clock(s) for s in (0.4, 45, 65, 3600 + 180, 7 * 3600)] == [
+        "0s", "45s", "1m05s", "1h03m", "7h00m"]
+
+
+@pytest.mark.parametrize("overrides, prefixes, weights", [
+    (["--data.prefixes=data/a,data/b"], ["data/a", "data/b"], []),
+    (["--data.prefixes=data/a", "--data.prefixes=data/b"], ["data/a", "data/b"], []),
+    (["--data.prefixes=data/a"], ["data/a"], []),
+    (["--data.prefixes=[data/a, data/b]"], ["data/a", "data/b"], []),
+    (['--data.prefixes=["data/a", "data/b"]', "--data.weights=0.3,0.7"],
+     ["data/a", "data/b"], [0.3, 0.7]),
+    (['--data.prefixes=["0.3", "data/a", "0.7", "data/b"]'], ["data/a", "data/b"], [0.3, 0.7]),
+    (["--data.prefixes=0.3,data/a,0.7,data/b"], ["data/a", "data/b"], [0.3, 0.7]),
+], ids=["commas", "repeated", "one-string", "brackets", "toml-and-weights",
+        "megatron-weighted", "megatron-weighted-commas"])
+def test_list_overrides_are_forgiving(overrides, prefixes, weights):
+    data = load_config(None, overrides).data
+    assert (data.prefixes, data.weights) == (prefixes, weights)
+
+
+def test_a_repeated_scalar_key_keeps_the_last_value():
+    assert load_config(None, ["--optim.lr=1e-3", "--optim.lr=2e-3"]).optim.lr == 2e-3
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["--optim.lrr=1e-3"], "unknown config key optim.lrr (did you mean optim.lr?)"),
+    (["--optm.lr=1e-3"], "unknown config section [optm] (did you mean optim?)"),
+    (['--data.prefixes=["corpus.bin"]'],
+     "data.prefixes entry 'corpus.bin' names a file; give the dataset prefix without "
+     ".bin/.idx ('corpus')"),
+])
+def test_natural_config_mistakes_name_the_fix(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert fragment in str(err.value)
+
+
+def test_eval_checks_what_evaluation_needs_not_the_schedule():
+    with pytest.raises(ConfigError, match="optim.warmup_steps"):
+        load_config(None, ["--run.steps=5", "--optim.warmup_steps=10"])
+    config = load_config(None, ["--run.steps=5", "--optim.warmup_steps=10"], training=False)
+    assert config.run.steps == 5
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["train"], "train needs --config FILE (e.g. --config configs/demo-cpu.toml), or "
+                "--run.dir=RUN of an existing run"),
+    (["eval", "--checkpoint", "/nonexistent/ckpt"], "eval needs --config FILE"),
+])
+def test_a_missing_config_says_how_to_give_one(args, fragment):
+    done = cli(*args, check=False)
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and fragment in last, last
+
+
+def test_help_teaches_the_override_syntax():
+    done = cli("train", "--help")
+    assert "--section.key=value" in done.stdout
+    assert "--data.prefixes=data/a,data/b" in done.stdout
+
+
+def test_a_failed_first_start_leaves_the_run_folder_usable(data, tmp_path):
+    """A first start that aborts before any checkpoint (an absurd LR: NaN, exit 3), then a good
+    start in the same folder: config.toml is the good run's, no config-resume file exists, and
+    `eval --config RUN/config.toml` works, also with a run length its warm-up would refuse;
+    without --config, eval finds the run folder's config from the checkpoint path."""
+    run = tmp_path / "run"
+    bad = cli(*train_args(data, run, "--run.steps=6", "--optim.lr=1e30", "--optim.min_lr=0",
+                          "--optim.warmup_steps=1", "--run.max_nonfinite_steps=2",
+                          "--run.eval_iters=0"), check=False)
+    assert bad.returncode == 3, bad.stderr[-2000:]
+    assert "lr = 1e+30" in (run / "config.toml").read_text()
+    cli(*train_args(data, run, "--run.steps=4"))
+    assert "lr = 0.003" in (run / "config.toml").read_text()
+    assert not list(run.glob("config-resume-*.toml"))
+    done = cli("eval", "--config", str(run / "config.toml"), "--checkpoint",
+               str(run / "checkpoints"), "--run.steps=1")
+    assert json.loads(done.stdout.strip().splitlines()[-1])["checkpoint"].endswith(
+        "step_00000004")
+    found = cli("eval", "--checkpoint", str(run / "checkpoints" / "step_00000004"))
+    assert json.loads(found.stdout.strip().splitlines()[-1])["val_loss"] > 0
