@@ -172,10 +172,8 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
         return _check_type(where, value, options[0])
     if origin is list:
         (item,) = typing.get_args(annotation)
-        if isinstance(value, str):  # a command-line list: a,b or [a, b] unquoted, or one item
-            body = value[1:-1] if value.startswith("[") and value.endswith("]") else value
-            value = [part if item is str else _parse_scalar(part)
-                     for part in (p.strip().strip("'\"") for p in body.split(",")) if part]
+        if isinstance(value, str):  # one string for a list field (a file's "a" or "a,b")
+            value = _list_items(value, item)
         if not isinstance(value, list):
             raise ConfigError(f"{where} ({value!r}) must be a list")
         return [_check_type(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
@@ -228,9 +226,13 @@ def _parse_scalar(text: str) -> Any:
 
 
 def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dict]:
-    """Apply ``--section.key=value`` arguments to a raw (TOML-shaped) config dict."""
+    """Apply ``--section.key=value`` arguments to a raw (TOML-shaped) config dict.
+
+    A later override of a key replaces an earlier one, except that items given to a list
+    field one by one (``--data.prefixes=a --data.prefixes=b``, or ``a,b``) add up; a TOML list
+    (``--data.prefixes='["a", "b"]'``) always replaces."""
     raw = {k: dict(v) for k, v in raw.items()}
-    repeated: set[str] = set()
+    adding: set[str] = set()  # list keys whose items are being given one by one
     for item in overrides:
         body = item[2:] if item.startswith("--") else item
         key, sep, value = body.partition("=")
@@ -238,14 +240,23 @@ def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dic
         if not sep or not dot or not name or "." in name:
             raise ConfigError(f"override {item!r} must look like --section.key=value")
         parsed = _parse_scalar(value)
-        if key in repeated and typing.get_origin(_field_type(section, name)) is list:
-            # A list key given again adds to the list: --data.prefixes=a --data.prefixes=b
-            earlier = raw[section][name]
-            parsed = (earlier if isinstance(earlier, list) else [earlier]) + (
-                parsed if isinstance(parsed, list) else [parsed])
-        repeated.add(key)
+        annotation = _field_type(section, name)
+        if typing.get_origin(annotation) is list and not isinstance(parsed, list):
+            items = _list_items(str(value), typing.get_args(annotation)[0])
+            parsed = raw[section][name] + items if key in adding else items
+            adding.add(key)
+        else:
+            adding.discard(key)
         raw.setdefault(section, {})[name] = parsed
     return raw
+
+
+def _list_items(text: str, item: type) -> list:
+    """``a,b`` or ``[a, b]`` (unquoted) as list items, each parsed unless the list holds
+    strings."""
+    body = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    parts = (p.strip().strip("'\"") for p in body.split(","))
+    return [part if item is str else _parse_scalar(part) for part in parts if part]
 
 
 def read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:

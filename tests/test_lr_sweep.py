@@ -151,10 +151,10 @@ def _two_cell_sweep(tmp_path, capsys):
     assert not (pre / "checkpoints").exists()  # finished cells keep no checkpoint
     assert lr_sweep.main(["--preset", str(both), "--optim.weight_decay=0.0"]) == 2
     assert "was trained with other settings" in capsys.readouterr().err
-    # One status vocabulary: with a collapse threshold above every loss, the console, the CSV
-    # and the table all say "collapsed".
+    # One status vocabulary: with a collapse threshold below every final loss (a run that
+    # ends above it "learned nothing"), --list, the CSV and the table all say "collapsed".
     strict = _preset(tmp_path / "strict.toml", GRID.replace('["pre"]', '["pre", "siamese"]'),
-                     train, "collapse_loss = 100.0")
+                     train, "collapse_loss = 0.001")
     assert lr_sweep.main(["--preset", str(strict), "--list"]) == 0
     listed = capsys.readouterr().out
     assert listed.count("collapsed") == 2, listed
