@@ -26,15 +26,18 @@ def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
     cpu_compat.install()
     if not dist.is_initialized():
         backend = device.distributed_backend()
-        device.select()
+        bound = device.select()
+        # NCCL is told its GPU up front, so that barriers and sub-groups never guess it.
+        options = {"device_id": bound} if bound.type == "cuda" else {}
         if "RANK" in os.environ:  # launched by torchrun (or another launcher that sets it)
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, **options)
         else:
             # A private one-rank group. Its store listens on a port the OS picks as it binds,
             # so concurrent runs on one machine cannot race for a port, and nothing goes into
             # the environment, where child processes would mistake it for a launcher's.
             store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1,
+                                    **options)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

@@ -105,6 +105,7 @@ def _run(args, overrides: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank
             print(dry_run(config))
         return 0
+    from model import parallel
     from pretrain.metrics import is_logging_rank
     from pretrain.train import TrainingAborted
 
@@ -117,11 +118,13 @@ def _run(args, overrides: list[str]) -> int:
             from pretrain.evaluate import evaluate_checkpoint
 
             result = evaluate_checkpoint(config, args.checkpoint)
+        if is_logging_rank():  # the rank that holds the loss prints the result, once
+            print(json.dumps(result))
     except TrainingAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
-    if is_logging_rank():  # the rank that holds the loss prints the result, once
-        print(json.dumps(result))
+    finally:
+        parallel.destroy()  # NCCL wants its groups torn down before the process exits
     return 0
 
 
