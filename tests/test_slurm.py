@@ -99,7 +99,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster, data, r
     assert stopped and int(stopped.group(1)) < STEPS, text[-3000:]
     assert "checkpoint saved (srun status 0); requeueing" in text, text[-3000:]
     assert "(restart 1)" in text, "the requeued job did not start again"
-    assert f"resumed from {run / 'checkpoints'}/step_{int(stopped.group(1)):08d}" in text
+    at = int(stopped.group(1))
+    assert f"resuming from {run / 'checkpoints'}/step_{at:08d} (step {at} of {STEPS})" in text
     assert "srun exited with status 0" in text.rstrip().splitlines()[-1]  # the rerun finished
     assert train_losses(run) == train_losses(reference / "run")  # exact, step by step
     # Both starts logged to one W&B run: two offline folders, one run id.
