@@ -127,3 +127,49 @@ def test_a_failed_first_start_leaves_the_run_folder_usable(data, tmp_path):
         "step_00000004")
     found = cli("eval", "--checkpoint", str(run / "checkpoints" / "step_00000004"))
     assert json.loads(found.stdout.strip().splitlines()[-1])["val_loss"] > 0
+
+
+_LIVE_LINE = """
+import time
+from pretrain.progress import Progress
+progress = Progress(0, 4, 1)
+for step in range(1, 5):
+    time.sleep(0.12)
+    progress.step(step, {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0})
+progress.message("validation at step 4: loss 2.4000, perplexity 11.0")
+progress.close()
+"""
+
+
+def test_on_a_terminal_progress_is_one_live_line():
+    """Under a real pseudo-terminal (150 columns) the bar redraws in place (carriage returns,
+    no new line per step) with the step's numbers, and a message prints above it."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import sys
+    import termios
+
+    from tests.pretrain_fixtures import REPO, env
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a terminal of 150 columns, then the progress loop
+        fcntl.ioctl(1, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+        os.chdir(REPO)
+        os.execve(sys.executable, [sys.executable, "-c", _LIVE_LINE], env())
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert "[pretrain] validation at step 4: loss 2.4000" in text, text
+    bar = [part for part in text.split("\r") if "4/4" in part]
+    assert bar and "loss 2.5000 lr 1.00e-03 grad_norm 0.500 1,000 tok/s" in bar[-1], text
+    assert text.count("\n") <= 3, text  # redrawn in place, not one line per step
