@@ -82,8 +82,7 @@ def setup(verbose: bool = False) -> None:
     megatron.setLevel(logging.INFO if verbose else logging.WARNING)
     if verbose:
         return
-    if not any(isinstance(f, _DropKnownNotices) for f in handler.filters):
-        handler.addFilter(_DropKnownNotices())
+    handler.addFilter(_DropKnownNotices())
     for category, text, _why in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(text), category=category)
 

@@ -41,17 +41,24 @@ def fields(record: dict) -> str:
 
 
 class Progress:
-    """Created by the logging rank only; other ranks print nothing."""
+    """Every rank makes one; only the logging rank's (``enabled``) prints anything.
 
-    def __init__(self, start: int, total: int, interval: int, stream=None):
+    ``begin()`` starts the clock (and the live line) once training steps begin; messages
+    before it are plain log lines."""
+
+    def __init__(self, start: int, total: int, enabled: bool = True, stream=None):
         self.stream = stream or sys.stderr
-        self.start, self.total, self.interval = start, total, interval
+        self.start, self.total, self.enabled = start, total, enabled
         self.began = time.perf_counter()
         self.bar = None
-        if self.stream.isatty():
-            self.bar = tqdm(total=total, initial=start, file=self.stream, unit="step",
-                            dynamic_ncols=True, bar_format="{l_bar}{bar}| {n}/{total} "
-                            "[{elapsed}<{remaining}]{postfix}")
+
+    def begin(self) -> None:
+        self.began = time.perf_counter()
+        if self.enabled and self.stream.isatty():
+            self.bar = tqdm(total=self.total, initial=self.start, file=self.stream,
+                            unit="step", dynamic_ncols=True,
+                            bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}<{remaining}]"
+                                       "{postfix}")
 
     def timing(self, step: int) -> tuple[float, float]:
         """(elapsed seconds, estimated seconds left) after ``step``."""
@@ -66,7 +73,7 @@ class Progress:
                 self.bar.set_postfix_str(fields(record), refresh=False)
             self.bar.update(step - self.bar.n)
             return
-        if record is None:
+        if record is None or not self.enabled:
             return
         elapsed, left = self.timing(step)
         log.info("step %d/%d (%.0f%%) %s | elapsed %s, ETA %s", step, self.total,
@@ -74,6 +81,8 @@ class Progress:
 
     def message(self, text: str) -> None:
         """A line that stays (validation results, the stop notice)."""
+        if not self.enabled:
+            return
         if self.bar is not None:
             self.bar.write(f"[pretrain] {text}", file=self.stream)
         else:

@@ -80,34 +80,33 @@ class StepStatus(NamedTuple):
     """Some rank was asked (by a signal) to stop."""
 
 
-def _loss_share(losses: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
-    """This rank's (mean micro-batch loss, weight) towards the batch loss: only the logging
-    ranks of the last pipeline stage (first TP rank) hold a loss; the others add zero."""
+def _loss_share(losses: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's [mean micro-batch loss, weight] towards the batch loss (float64, on the
+    compute device): only the logging ranks of the last pipeline stage (first TP rank) hold a
+    loss; the others add [0, 0]."""
+    share = torch.zeros(2, dtype=torch.float64, device=device.compute_device())
     if losses and parallel_state.get_tensor_model_parallel_rank() == 0:
-        return torch.stack(losses).double().mean(), 1.0
-    return torch.zeros((), dtype=torch.float64, device=device.compute_device()), 0.0
+        share[0], share[1] = torch.stack(losses).double().mean(), 1.0
+    return share
 
 
 def step_status(losses: list[torch.Tensor], chunks, stop: _StopRequest) -> StepStatus:
     """Everything a step's host-side decisions need, agreed by every rank in one all-reduce
     and read back to the host once (one synchronisation per step)."""
-    loss, weight = _loss_share(losses)
-    nonfinite = sum((~torch.isfinite(buffer.grad_data).all()).double()
-                    for chunk in chunks for buffer in chunk.buffers)
-    flags = torch.tensor([weight, float(stop.requested)], dtype=torch.float64,
-                         device=loss.device)
-    totals = torch.cat([loss.reshape(1), flags, torch.as_tensor(nonfinite).reshape(1).to(loss)])
+    share = _loss_share(losses)
+    nonfinite = sum((~torch.isfinite(buffer.grad_data).all() for chunk in chunks
+                     for buffer in chunk.buffers), share.new_zeros(()))
+    totals = torch.cat([share, nonfinite.reshape(1), share.new_tensor([stop.requested])])
     dist.all_reduce(totals)
-    loss_sum, holders, stops, bad = totals.tolist()
+    loss_sum, holders, bad, stops = totals.tolist()
     mean = loss_sum / holders
     return StepStatus(mean, math.isfinite(mean) and bad == 0, stops > 0)
 
 
-def _mean_loss(per_batch: list[torch.Tensor]) -> float:
+def _mean_loss(per_batch: list[list[torch.Tensor]]) -> float:
     """The mean over batches of the batch loss (mean over data-parallel replicas), read back
     once."""
-    shares = [_loss_share(losses) for losses in per_batch]
-    totals = torch.stack([torch.stack([loss, loss.new_tensor(weight)]) for loss, weight in shares])
+    totals = torch.stack([_loss_share(losses) for losses in per_batch])
     dist.all_reduce(totals)
     return float((totals[:, 0] / totals[:, 1]).mean())
 
@@ -183,7 +182,7 @@ def train(config: Config) -> dict:
     announce(config, parameters, start, previous)
     train_set, valid_set = build_datasets(config, tokenizer)
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
-    progress = None  # made after the first validation, so that its ETA counts steps only
+    progress = Progress(start, r.steps, enabled=is_logging_rank())
     stop = _StopRequest()
     throughput = Throughput(config)
     diag = diagnostics.build(config, chunks)  # None when off: no hooks at all
@@ -192,15 +191,13 @@ def train(config: Config) -> dict:
     def validation(at: int) -> dict:
         result = evaluate(config, chunks, valid_set)
         metrics.log({"step": at, **result})
-        say = progress.message if progress else log.info  # log.info: the logging rank only
-        say(f"validation at step {at}: loss {result['val_loss']:.4f}, "
-            f"perplexity {result['val_ppl']:.1f}")
+        progress.message(f"validation at step {at}: loss {result['val_loss']:.4f}, "
+                         f"perplexity {result['val_ppl']:.1f}")
         return result
 
     if start == 0 and r.eval_iters:
         validation(0)
-    if is_logging_rank():
-        progress = Progress(start, r.steps, r.log_interval)
+    progress.begin()  # after the first validation: the ETA counts training steps only
     bad_in_a_row = skipped = 0
     step = start
     while step < r.steps:
@@ -232,13 +229,11 @@ def train(config: Config) -> dict:
             metrics.log(record)
         else:
             record = None
-        if progress:
-            progress.step(step, record)
+        progress.step(step, record)
         for extra in diag.records(step, loss) if diag else ():  # collective on a measured step
             metrics.log(extra)
         if bad_in_a_row >= r.max_nonfinite_steps:
-            if progress:
-                progress.close()
+            progress.close()
             metrics.finish()
             raise TrainingAborted(
                 f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
@@ -250,13 +245,11 @@ def train(config: Config) -> dict:
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
             checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last)
         if stopping:
-            if progress:
-                progress.message(f"stopped by signal after step {step}; checkpoint saved")
-                progress.close()
+            progress.message(f"stopped by signal after step {step}; checkpoint saved")
+            progress.close()
             metrics.finish()
             return {"stopped_at": step}
-    if progress:
-        progress.close()
+    progress.close()
     final = validation(step) if r.eval_iters else {}
     metrics.finish()
     return final
@@ -265,8 +258,7 @@ def train(config: Config) -> dict:
 def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:
     """The first screen: what is trained, where, on what, and from which point."""
     m, p, d, r = config.model, config.parallel, config.data, config.run
-    world = dist.get_world_size()
-    dp = world // (p.tp * p.pp)
+    dp = parallel_state.get_data_parallel_world_size()
     where = device.compute_device()
     hardware = f"{where} ({device.device_name()})" if device.uses_cuda() else "cpu"
     tokens = d.global_batch_size * config.seq_length
@@ -274,8 +266,8 @@ def announce(config: Config, parameters: int, start: int, previous: Path | None)
              m.residual_scheme, f"{parameters:,}", m.num_layers, m.hidden_size,
              m.num_attention_heads, str(params_dtype(config)).removeprefix("torch."), hardware)
     log.info("layout: world %d = tp %d x pp %d x dp %d; %d micro-batches of %d sequences per "
-             "step and data-parallel rank", world, p.tp, p.pp, dp,
-             d.global_batch_size // (d.micro_batch_size * dp), d.micro_batch_size)
+             "step and data-parallel rank", dist.get_world_size(), p.tp, p.pp, dp,
+             microbatches_per_step(d.global_batch_size, d.micro_batch_size), d.micro_batch_size)
     log.info("data: %s; %s tokens per step x %s steps = %s tokens",
              ", ".join(d.prefixes), f"{tokens:,}", f"{r.steps:,}", human(tokens * r.steps))
     if previous is not None:

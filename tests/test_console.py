@@ -132,7 +132,8 @@ def test_a_failed_first_start_leaves_the_run_folder_usable(data, tmp_path):
 _LIVE_LINE = """
 import time
 from pretrain.progress import Progress
-progress = Progress(0, 4, 1)
+progress = Progress(0, 4)
+progress.begin()
 for step in range(1, 5):
     time.sleep(0.12)
     progress.step(step, {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0})

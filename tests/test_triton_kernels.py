@@ -192,20 +192,10 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     torch.manual_seed(0)
     [model] = build_model(tiny_model(scheme, num_layers=2, normalization=normalization, **extra),
                           ParallelConfig())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "gate" in name:
-                param.add_(0.3 * torch.randn_like(param))
+    _perturb_norms(model)
     tokens = torch.randint(0, 100, (2, 16)).to(device)
-    positions = torch.arange(16, device=device).unsqueeze(0).expand(2, -1)
-    results = {}
-    for backend in ("torch", "triton"):
-        model.zero_grad(set_to_none=True)
-        with dispatch.forced_backend(backend):
-            loss = model(tokens, positions, None, labels=tokens).float().mean()
-        loss.backward()
-        results[backend] = [loss.detach()] + [p.grad for p in model.parameters()]
-    errors = [rel_err(g, w) for g, w in zip(results["triton"], results["torch"], strict=True)]
+    (loss_t, grads_t), (loss_f, grads_f) = _torch_and_triton(model, tokens)
+    errors = [rel_err(loss_f, loss_t)] + [rel_err(grads_f[n], grads_t[n]) for n in grads_t]
     assert errors[0] <= 1e-6 and max(errors) <= 1e-5, errors
     # The fused path really ran: per block the MLP entry (siamese also the attention entry;
     # HybridNorm*'s block 0 none) and the packed update, plus the merge.
@@ -213,6 +203,27 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     if extra.get("hybrid_prenorm_first_block"):
         per_block[0] = 0
     assert calls == {"EntryFunction": sum(per_block) + 1, "DualUpdateFunction": 2}, calls
+
+
+def _perturb_norms(model) -> None:
+    """Every norm weight and gate away from its init, so a misplaced one cannot hide."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "gate" in name:
+                param.add_(0.3 * torch.randn_like(param))
+
+
+def _torch_and_triton(model, tokens: torch.Tensor):
+    """(loss, gradients by name) of one batch on the torch path, then on the fused path."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+    results = []
+    for backend in ("torch", "triton"):
+        model.zero_grad(set_to_none=True)
+        with dispatch.forced_backend(backend):
+            loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results
 
 
 def test_auto_follows_the_machine_and_te_needs_cuda():
@@ -297,22 +308,11 @@ def test_gpu_whole_model_fused_matches_torch_in_bf16(single_rank, device, scheme
                       vocab_size=32000, seq_length=2048)
     torch.manual_seed(0)
     [model] = build_model(cfg, ParallelConfig(), torch.bfloat16)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "gate" in name:
-                param.add_(0.3 * torch.randn_like(param))
+    _perturb_norms(model)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(1)).to(device)
-    positions = torch.arange(cfg.seq_length, device=device).unsqueeze(0).expand(2, -1)
-    results = {}
-    for backend in ("torch", "triton"):
-        model.zero_grad(set_to_none=True)
-        with dispatch.forced_backend(backend):
-            loss = model(tokens, positions, None, labels=tokens).float().mean()
-        loss.backward()
-        results[backend] = (loss.item(), {n: p.grad.clone() for n, p in
-                                          model.named_parameters()})
-    (loss_t, grads_t), (loss_f, grads_f) = results["torch"], results["triton"]
+    (loss_t, grads_t), (loss_f, grads_f) = _torch_and_triton(model, tokens)
+    loss_t, loss_f = loss_t.item(), loss_f.item()
     errors = {name: _grad_error(grads_f[name], grads_t[name]) for name in grads_t}
     worst = max(errors, key=errors.get)
     print(f"\n{scheme}: loss {loss_t:.5f} vs {loss_f:.5f}; worst gradient {worst} "
