@@ -21,7 +21,8 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; the message is one line naming the field."""
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """Raise ``message`` as a :class:`ConfigError` unless ``ok``: the one-line rule check."""
     if not ok:
         raise ConfigError(message)
 
@@ -129,38 +130,38 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                      "seq_length", "make_vocab_size_divisible_by"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
+            require(isinstance(value, int) and value >= 1,
                      f"model.{name} ({value!r}) must be a positive integer")
-        _require(self.hidden_size % self.num_attention_heads == 0,
+        require(self.hidden_size % self.num_attention_heads == 0,
                  f"model.num_attention_heads ({self.num_attention_heads}) must divide "
                  f"model.hidden_size ({self.hidden_size})")
-        _require(self.kv_heads >= 1 and self.num_attention_heads % self.kv_heads == 0,
+        require(self.kv_heads >= 1 and self.num_attention_heads % self.kv_heads == 0,
                  f"model.num_query_groups ({self.num_query_groups}) must divide "
                  f"model.num_attention_heads ({self.num_attention_heads})")
-        _require(self.ffn_size >= 1, f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be "
+        require(self.ffn_size >= 1, f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be "
                  "a positive integer")
-        _require(self.norm_eps > 0, f"model.norm_eps ({self.norm_eps}) must be > 0")
-        _require(self.init_method_std > 0,
+        require(self.norm_eps > 0, f"model.norm_eps ({self.norm_eps}) must be > 0")
+        require(self.init_method_std > 0,
                  f"model.init_method_std ({self.init_method_std}) must be > 0")
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
-            _require(0.0 <= value < 1.0, f"model.{name} ({value}) must be in [0, 1)")
+            require(0.0 <= value < 1.0, f"model.{name} ({value}) must be in [0, 1)")
         for name in ("attention_backend", "transformer_impl"):
             if getattr(self, name) == "te":  # the check looks for CUDA before TE
                 missing = te_unavailable_reason()
-                _require(missing is None, f"model.{name} (te) needs Transformer Engine on a "
+                require(missing is None, f"model.{name} (te) needs Transformer Engine on a "
                          f"CUDA machine ({missing}); use auto")
         if self.position_embedding is PositionEmbedding.ROPE:
-            _require((self.hidden_size // self.num_attention_heads) % 2 == 0,
+            require((self.hidden_size // self.num_attention_heads) % 2 == 0,
                      f"model.hidden_size / model.num_attention_heads "
                      f"({self.hidden_size // self.num_attention_heads}) must be even for rope")
         ratio = self.mixln_post_ratio
-        _require(isinstance(ratio, int | float) and not isinstance(ratio, bool)
+        require(isinstance(ratio, int | float) and not isinstance(ratio, bool)
                  and 0.0 <= ratio <= 1.0, f"model.mixln_post_ratio ({ratio!r}) must be in [0, 1]")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, schemes in _SCHEME_FIELDS.items():
             value = getattr(self, name)
-            _require(value == defaults[name] or self.residual_scheme in schemes,
+            require(value == defaults[name] or self.residual_scheme in schemes,
                      f"model.{name} ({json.dumps(value)}) requires model.residual_scheme "
                      f"{' or '.join(schemes)} (got {self.residual_scheme})")
 
@@ -201,14 +202,14 @@ class ParallelConfig:
     def validate(self) -> None:
         for name in ("tp", "pp", "recompute_num_layers"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
+            require(isinstance(value, int) and value >= 1,
                      f"parallel.{name} ({value!r}) must be a positive integer")
         if self.vp is not None:
-            _require(isinstance(self.vp, int) and self.vp >= 1,
+            require(isinstance(self.vp, int) and self.vp >= 1,
                      f"parallel.vp ({self.vp!r}) must be a positive integer")
-            _require(self.pp > 1, f"parallel.vp ({self.vp}) requires parallel.pp > 1 "
+            require(self.pp > 1, f"parallel.vp ({self.vp}) requires parallel.pp > 1 "
                      f"(got {self.pp})")
-        _require(not self.sequence_parallel or self.tp > 1,
+        require(not self.sequence_parallel or self.tp > 1,
                  f"parallel.sequence_parallel (true) requires parallel.tp > 1 (got {self.tp})")
 
 
@@ -217,26 +218,26 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     model.validate()
     parallel.validate()
     tp = parallel.tp
-    _require(model.num_attention_heads % tp == 0,
+    require(model.num_attention_heads % tp == 0,
              f"parallel.tp ({tp}) must divide model.num_attention_heads "
              f"({model.num_attention_heads})")
-    _require(model.kv_heads % tp == 0,
+    require(model.kv_heads % tp == 0,
              f"parallel.tp ({tp}) must divide model.num_query_groups ({model.kv_heads})")
-    _require(model.ffn_size % tp == 0,
+    require(model.ffn_size % tp == 0,
              f"parallel.tp ({tp}) must divide model.ffn_hidden_size ({model.ffn_size})")
-    _require(model.padded_vocab_size % tp == 0,
+    require(model.padded_vocab_size % tp == 0,
              f"parallel.tp ({tp}) must divide the padded vocabulary "
              f"({model.padded_vocab_size}); raise model.make_vocab_size_divisible_by")
     stages = parallel.pp * parallel.model_chunks
-    _require(model.num_layers % stages == 0,
+    require(model.num_layers % stages == 0,
              f"model.num_layers ({model.num_layers}) must be divisible by parallel.pp x "
              f"parallel.vp ({parallel.pp} x {parallel.model_chunks} = {stages})")
     if parallel.sequence_parallel:
-        _require(model.seq_length % tp == 0,
+        require(model.seq_length % tp == 0,
                  f"parallel.tp ({tp}) must divide model.seq_length ({model.seq_length}) "
                  "with sequence parallelism")
     if parallel.recompute is Recompute.FULL:
         per_chunk = model.num_layers // stages
-        _require(parallel.recompute_num_layers <= per_chunk,
+        require(parallel.recompute_num_layers <= per_chunk,
                  f"parallel.recompute_num_layers ({parallel.recompute_num_layers}) must be <= "
                  f"the layers per model chunk ({per_chunk})")

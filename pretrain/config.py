@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kernels.dispatch import NormBackend
-from model.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
+from model.config import ConfigError, ModelConfig, ParallelConfig, require, validate_layout
+from pretrain.paths import require_creatable, require_file
 
 
 @dataclass
@@ -231,6 +232,9 @@ def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dic
     A later override of a key replaces an earlier one, except that items given to a list
     field one by one (``--data.prefixes=a --data.prefixes=b``, or ``a,b``) add up; a TOML list
     (``--data.prefixes='["a", "b"]'``) always replaces."""
+    for section, values in raw.items():
+        require(isinstance(values, dict), f"config section [{section}] must be a table "
+                f"([{section}] with key = value lines), not {values!r}")
     raw = {k: dict(v) for k, v in raw.items()}
     adding: set[str] = set()  # list keys whose items are being given one by one
     for item in overrides:
@@ -263,10 +267,7 @@ def read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A config file with its ``base`` resolved: ``base = "other.toml"`` (a path relative to
     this file) loads that file first, then this file's keys replace its keys one by one, so
     presets share one recipe and state only what differs. Bases may have bases of their own."""
-    if not path.is_file():
-        if chain:
-            raise ConfigError(f"config file '{chain[-1]}': base '{path}' does not exist")
-        raise ConfigError(f"config file '{path}' does not exist")
+    require_file(path, f"config file '{chain[-1]}': base" if chain else "config file")
     if path.resolve() in chain:
         cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
         raise ConfigError(f"config file '{path}': base files form a cycle ({cycle})")
@@ -299,79 +300,96 @@ def load_config(path: str | None, overrides: list[str] = (), training: bool = Tr
         if name not in sections:
             raise ConfigError(f"unknown config section [{name}]{_did_you_mean(name, sections)}; "
                               f"known sections: {', '.join(sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"config section [{name}] must be a table")
         built[name] = _build_section(name, typing.get_type_hints(Config)[name], values)
     config = Config(**built)
     validate(config, training=training)
     return config
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+def _require_finite(config: Config) -> None:
+    """Every float field of every section is a finite number (TOML and the command line both
+    accept inf and nan)."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for item in dataclasses.fields(values):
+            value = getattr(values, item.name)
+            if isinstance(value, float):
+                require(math.isfinite(value),
+                        f"{section.name}.{item.name} ({value}) must be a finite number")
 
 
 def validate(config: Config, world_size: int | None = None, training: bool = True) -> None:
     """Rules across sections; ``world_size`` adds the data-parallel rules; ``training``
     the optimizer's and LR schedule's (evaluation needs neither)."""
+    _require_finite(config)
     validate_layout(config.model, config.parallel)
     o, d, r, lg = config.optim, config.data, config.run, config.logging
+    for name in ("steps", "log_interval", "eval_interval", "keep_last", "max_nonfinite_steps"):
+        value = getattr(r, name)
+        require(value >= 1, f"run.{name} ({value}) must be >= 1")
+    require(0 <= r.seed < 2**31, f"run.seed ({r.seed}) must be in [0, 2**31)")
     if training:
-        _require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
-        _require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
-        _require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must "
-                 f"be >= 0 and < run.steps ({r.steps})")
-        _require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
+        require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
+        require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
+        require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must "
+                f"be >= 0 and < run.steps ({r.steps})")
+        require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
+        require(o.weight_decay >= 0, f"optim.weight_decay ({o.weight_decay}) must be >= 0")
+        require(o.eps > 0, f"optim.eps ({o.eps}) must be > 0")
+        for name in ("beta1", "beta2"):
+            value = getattr(o, name)
+            require(0 <= value < 1, f"optim.{name} ({value}) must be in [0, 1)")
+    else:
+        require(r.eval_iters >= 1, f"run.eval_iters ({r.eval_iters}) must be >= 1 to evaluate")
+    if d.cache_dir:
+        require_creatable(d.cache_dir, "data.cache_dir")
+    require_creatable(r.dir, "run.dir")
     for prefix in d.prefixes:
-        _require(not prefix.endswith((".bin", ".idx")),
+        require(not prefix.endswith((".bin", ".idx")),
                  f"data.prefixes entry '{prefix}' names a file; give the dataset prefix without "
                  f".bin/.idx ('{prefix[:-4]}')")
     for name in ("micro_batch_size", "global_batch_size"):
         value = getattr(d, name)
-        _require(value >= 1, f"data.{name} ({value}) must be >= 1")
-    _require(0 <= d.seq_length <= config.model.seq_length,
+        require(value >= 1, f"data.{name} ({value}) must be >= 1")
+    require(0 <= d.seq_length <= config.model.seq_length,
              f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
              f"({config.model.seq_length})")
-    _require(not d.weights or len(d.weights) == len(d.prefixes),
+    require(not d.weights or len(d.weights) == len(d.prefixes),
              f"data.weights has {len(d.weights)} entries but data.prefixes has "
              f"{len(d.prefixes)}")
-    _require(all(w > 0 for w in d.weights), f"data.weights ({d.weights}) must all be > 0")
+    require(all(w > 0 for w in d.weights), f"data.weights ({d.weights}) must all be > 0")
     parts = d.split.split(",")
-    _require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
+    require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
              and sum(float(p) for p in parts) > 0,
              f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
-    for name in ("steps", "log_interval", "eval_interval", "keep_last", "max_nonfinite_steps"):
-        value = getattr(r, name)
-        _require(value >= 1, f"run.{name} ({value}) must be >= 1")
-    _require(r.eval_iters >= 0, f"run.eval_iters ({r.eval_iters}) must be >= 0")
-    _require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
-    _require(r.params_dtype in ("auto", "fp32", "bf16"),
+    require(r.eval_iters >= 0, f"run.eval_iters ({r.eval_iters}) must be >= 0")
+    require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
+    require(r.params_dtype in ("auto", "fp32", "bf16"),
              f"run.params_dtype ({r.params_dtype!r}) must be auto, fp32 or bf16")
     backends = [b.value for b in NormBackend]
-    _require(config.kernels.norm_backend in backends,
+    require(config.kernels.norm_backend in backends,
              f"kernels.norm_backend ({config.kernels.norm_backend!r}) must be one of "
              f"{', '.join(backends)}")
     dg = config.diagnostics
-    _require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
-    _require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
-    _require(dg.spike_window >= 1, f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
-    _require(math.isfinite(lg.peak_tflops) and lg.peak_tflops >= 0,
+    require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
+    require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
+    require(dg.spike_window >= 1, f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
+    require(math.isfinite(lg.peak_tflops) and lg.peak_tflops >= 0,
              f"logging.peak_tflops ({lg.peak_tflops}) must be >= 0 (0: from the device name)")
-    _require(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
+    require(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
              f"logging.wandb_mode ({lg.wandb_mode!r}) must be auto, online, offline or disabled")
     if world_size is not None:
         model_parallel = config.parallel.tp * config.parallel.pp
-        _require(world_size % model_parallel == 0,
+        require(world_size % model_parallel == 0,
                  f"world size ({world_size}) must be divisible by parallel.tp x parallel.pp "
                  f"({model_parallel})")
         dp = world_size // model_parallel
         step = d.micro_batch_size * dp
-        _require(d.global_batch_size % step == 0,
+        require(d.global_batch_size % step == 0,
                  f"data.global_batch_size ({d.global_batch_size}) must be divisible by "
                  f"data.micro_batch_size x data-parallel size ({d.micro_batch_size} x {dp})")
         if config.parallel.vp is not None:
             micro = d.global_batch_size // step
-            _require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
+            require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
                      f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
                      f"({config.parallel.pp}) and larger than it with virtual pipelining")

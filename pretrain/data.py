@@ -36,6 +36,9 @@ def check_data(config: Config, tokenizer) -> None:
     """Every prefix readable, within the tokenizer's vocabulary, and giving each split the run
     reads at least one document: checked before the run folder is touched."""
     data = config.data
+    if not data.prefixes:
+        raise ConfigError("data.prefixes is empty: give at least one dataset prefix (PREFIX of "
+                          "PREFIX.bin/.idx, e.g. from prepare-data)")
     dataset_config = _dataset_config(config, tokenizer)
     sizes = sample_counts(config)
     wanted = (sizes[0], sizes[1] if config.run.eval_iters else 0)

@@ -10,6 +10,7 @@ outputs are never overwritten, so an interrupted or mistaken run loses nothing.
 from __future__ import annotations
 
 import os
+import struct
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -24,6 +25,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from tqdm import tqdm
 
 from model.config import ConfigError
+from pretrain.paths import require_creatable, require_file
 from pretrain.tokenizer import Tokenizer, iter_documents, require_data_file
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
@@ -98,6 +100,7 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
 
     Returns {"documents", "tokens" (EOD included), "dtype", "prefix"}.
     """
+    require_creatable(output_prefix, "prepare-data --output", folder=False)
     bin_path, idx_path = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
     for path in (bin_path, idx_path):
         if path.exists():
@@ -128,10 +131,31 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
             "prefix": output_prefix}
 
 
+# The .idx layout megatron writes: magic, version 1, dtype code, then the sequence and
+# document counts, then int32 lengths, int64 pointers (one per sequence), int64 document starts.
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_HEADER = struct.Struct("<9sQBQQ")
+
+
+def _check_index(path: str) -> None:
+    """The .idx header and size agree, checked before megatron opens it: its reader asserts on
+    a bad file and then fails again in ``__del__``, printing a traceback after our error."""
+    with open(path, "rb") as f:
+        head = f.read(INDEX_HEADER.size)
+    if len(head) < INDEX_HEADER.size or not head.startswith(INDEX_MAGIC):
+        raise ConfigError(f"data file '{path}' is not a Megatron index (bad header)")
+    _, version, _, sequences, documents = INDEX_HEADER.unpack(head)
+    expected = INDEX_HEADER.size + sequences * (4 + 8) + documents * 8
+    size = os.path.getsize(path)
+    if version != 1 or size != expected:
+        raise ConfigError(f"data file '{path}' is truncated or damaged: {size} bytes, its "
+                          f"header describes {expected} (version {version})")
+
+
 def _open(prefix: str) -> IndexedDataset:
     for suffix in (".bin", ".idx"):
-        if not Path(prefix + suffix).is_file():
-            raise ConfigError(f"data file '{prefix}{suffix}' does not exist")
+        require_file(prefix + suffix, "data file")
+    _check_index(prefix + ".idx")
     try:
         return IndexedDataset(prefix)
     except Exception as err:  # megatron asserts (or fails to unpack) on malformed index files

@@ -26,6 +26,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from model.config import ConfigError
+from pretrain.paths import require_creatable, require_file
 
 UNK, BOS, EOS, PAD = 0, 1, 2, 3
 NEWLINE_PIECES = ["\n"]
@@ -44,9 +45,7 @@ log = logging.getLogger(__name__)
 
 def require_data_file(path: str) -> Path:
     """Check an input early so a typo fails before minutes of work, naming the file."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"data file '{path}' does not exist")
+    file = require_file(path, "data file")
     if file.stat().st_size == 0:
         raise ConfigError(f"data file '{path}' is empty")
     return file
@@ -153,6 +152,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     if vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"tokenizer vocab_size ({vocab_size}) must be >= {MIN_VOCAB_SIZE} "
                           "(256 byte pieces, 4 special ids, newline)")
+    require_creatable(output_prefix, "train-tokenizer --output", folder=False)
     model_path, vocab_path = Path(f"{output_prefix}.model"), Path(f"{output_prefix}.vocab")
     _require_new(model_path, vocab_path)
     if not inputs:
@@ -210,9 +210,7 @@ class Tokenizer:
     the model's content hash, so moving the file keeps the cache and replacing it does not."""
 
     def __init__(self, model_file: str):
-        path = Path(model_file)
-        if not path.is_file():
-            raise ConfigError(f"tokenizer '{model_file}' does not exist")
+        path = require_file(model_file, "tokenizer")
         try:
             proto = path.read_bytes()
             self.processor = spm.SentencePieceProcessor(model_proto=proto)
