@@ -25,8 +25,13 @@ def save_model(chunks: list, directory: str) -> None:
 
 
 def load_model(chunks: list, directory: str) -> None:
-    sharded = model_sharded_state_dict(chunks)
-    state = dist_checkpointing.load(sharded, directory)
+    state = dist_checkpointing.load(model_sharded_state_dict(chunks), directory)
+    load_chunks(chunks, state)
+
+
+def load_chunks(chunks: list, state: dict) -> None:
+    """Put a loaded state (keys as :func:`model_sharded_state_dict`) into the chunks, strictly:
+    every parameter must be in it."""
     for index, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{index}"
-        getattr(chunk, "module", chunk).load_state_dict(state[key])
+        getattr(chunk, "module", chunk).load_state_dict(state[key], strict=True)

@@ -6,14 +6,21 @@ an aborted run (e.g. repeated NaN/Inf) exits 3.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
-from model.config import ConfigError
-from pretrain import console
+from pretrain.stop import StopRequest
+
+# Before the imports below (torch: a second or more): a preemption signal during start-up is
+# then a clean stop instead of a kill.
+_EARLY_STOP = StopRequest.install() if sys.argv[1:2] == ["train"] else None
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from model.config import ConfigError  # noqa: E402
+from pretrain import console  # noqa: E402
 
 OVERRIDES_HELP = """\
 Any config field can be set on the command line as --section.key=value (command line >
@@ -69,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     console.setup(verbose="--verbose" in argv)  # before megatron is imported (its notices)
+    # Before the slow imports: a preemption during start-up is then a clean stop, not a kill.
+    stop = (_EARLY_STOP or StopRequest.install()) if argv[:1] == ["train"] else None
     try:
         args, overrides = _parser().parse_known_args(argv)
         bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
@@ -76,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"command line: {bad[0]!r} is not a --section.key=value override")
         if overrides and args.command not in ("train", "eval"):
             raise ConfigError(f"command line: unrecognized arguments: {' '.join(overrides)}")
-        return _run(args, overrides)
+        return _run(args, overrides, stop)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
-def _run(args, overrides: list[str]) -> int:
+def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
     if args.command == "train-tokenizer":
         from pretrain.tokenizer import train_tokenizer
 
@@ -106,20 +115,20 @@ def _run(args, overrides: list[str]) -> int:
             print(dry_run(config))
         return 0
     from model import parallel
-    from pretrain.metrics import is_logging_rank
+    from pretrain.metrics import is_logging_rank, strict_json
     from pretrain.train import TrainingAborted
 
     try:
         if args.command == "train":
             from pretrain.train import train
 
-            result = train(config)
+            result = train(config, stop, config_path=path)
         else:
             from pretrain.evaluate import evaluate_checkpoint
 
             result = evaluate_checkpoint(config, args.checkpoint)
         if is_logging_rank():  # the rank that holds the loss prints the result, once
-            print(json.dumps(result))
+            print(strict_json(result))
     except TrainingAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 3

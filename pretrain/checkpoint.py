@@ -3,13 +3,16 @@
 Layout under ``<run.dir>/checkpoints/``::
 
     step_00000100/        megatron torch_dist checkpoint + rng/rank<r>.pt + complete.json
-    latest                name of the newest complete checkpoint
+    latest                name of the newest complete checkpoint (for people and scripts)
 
 A checkpoint is written into ``.step_<n>.tmp`` and renamed only once every rank finished and
-``complete.json`` exists, then ``latest`` is replaced atomically. A crash (even SIGKILL) during a
-save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays the latest. Model
+``complete.json`` exists, then ``latest`` is replaced atomically. A crash (even SIGKILL) or a
+full disk during a save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays
+the latest. Resuming takes the newest complete checkpoint (``latest`` is only a hint). Model
 and optimizer tensors carry global keys, so a checkpoint loads under any TP/PP/VP layout.
-The data position is the step count (see :mod:`pretrain.data`).
+``complete.json`` also records what the checkpoint is (:mod:`pretrain.identity`): its model,
+its data and data position, checked before any tensor is read. Weights that are not finite
+are never saved.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from torch.distributed.checkpoint.api import CheckpointException
 
 from model import device
-from model.checkpoint import load_model, model_sharded_state_dict
+from model.checkpoint import load_chunks, model_sharded_state_dict
 from model.config import ConfigError
+from pretrain.identity import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
 
 COMPLETE = "complete.json"
@@ -42,8 +48,19 @@ LOAD_ERRORS = (Exception, CheckpointException)
 FAULT_KILL_IN_SAVE = "PRETRAIN_FAULT_KILL_IN_SAVE"
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read, or a save that failed: one line, exit 2."""
+
+
 def _rank0() -> bool:
     return dist.get_rank() == 0
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank (one all-reduce)."""
+    value = torch.tensor([float(flag)], device=device.compute_device())
+    dist.all_reduce(value)
+    return bool(value.item())
 
 
 def _rng_state() -> dict:
@@ -81,22 +98,51 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int) -> Path:
+def _weights_finite(chunks) -> bool:
+    """Every model weight on every rank is finite (one all-reduce)."""
+    bad = sum((~torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()),
+              torch.zeros((), device=device.compute_device()))
+    return not _on_any_rank(bool(bad.item()))
+
+
+def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
+         record: dict) -> Path:
+    """Save atomically; ``record`` (what the checkpoint is) goes into complete.json. A failed
+    write on any rank (a full disk) removes the partial folder on every rank and raises one
+    CheckpointError; non-finite weights raise before anything is written."""
     final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
+    if not _weights_finite(chunks):
+        raise CheckpointError(f"the weights after step {step} are not finite (NaN/Inf); no "
+                              f"checkpoint written, the last good one is {resolve(root)}")
+    failure = None
+    try:
+        if _rank0():
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a crash during an earlier save
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False),
+                                str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
+        if os.environ.get(FAULT_KILL_IN_SAVE) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with the save half done
+    except LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
+        failure = err
+    if not _on_any_rank(failure is not None) and _rank0():
+        try:
+            text = json.dumps({"step": step, "world_size": dist.get_world_size(), **record})
+            (tmp / COMPLETE).write_text(text)
+        except OSError as err:
+            failure = err
+    if _on_any_rank(failure is not None):
+        if _rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        reason = _first_line(failure) if failure is not None else "failed on another rank"
+        raise CheckpointError(f"saving checkpoint step {step} to '{root}' failed ({reason}); "
+                              f"the latest checkpoint is still {resolve(root)}")
     if _rank0():
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crash during an earlier save
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False), str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
-    if os.environ.get(FAULT_KILL_IN_SAVE) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with the save half done
-    dist.barrier()
-    if _rank0():
-        (tmp / COMPLETE).write_text(json.dumps({"step": step,
-                                                "world_size": dist.get_world_size()}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -111,58 +157,107 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int) ->
 
 def resolve(path: Path) -> Path | None:
     """The checkpoint to resume from: ``path`` itself if it is one, else the newest complete
-    one under it (``latest`` first). None when there is none."""
+    one under it. ``latest`` is not trusted over what is on disk: a copy or a manual edit can
+    leave it naming an older checkpoint. None when there is none."""
     if (path / COMPLETE).is_file():
         return path
-    latest = path / "latest"
-    if latest.is_file():
-        candidate = path / latest.read_text().strip()
-        if (candidate / COMPLETE).is_file():
-            return candidate
     complete = complete_checkpoints(path)
     return complete[-1] if complete else None
 
 
-def _load_error(directory: Path, err: Exception) -> ConfigError:
-    text = str(err).strip()
-    first_line = text.splitlines()[0] if text else type(err).__name__
-    return ConfigError(f"checkpoint '{directory}' could not be loaded: {first_line}")
-
-
-def load_weights(path: Path, chunks) -> Path:
-    """Model weights only, from ``path`` (a checkpoint or a folder of them); returns the
-    checkpoint used. For evaluation and for starting a run from given weights."""
+def find(path: Path) -> Path:
+    """The checkpoint ``path`` names (itself or the newest under it), or a CheckpointError."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"checkpoint '{path}' is a file; give a checkpoint folder or a "
+                              "run's checkpoints/ folder")
     if not path.is_dir():
-        raise ConfigError(f"checkpoint folder '{path}' does not exist")
+        raise CheckpointError(f"checkpoint folder '{path}' does not exist")
     found = resolve(path)
     if found is None:
-        raise ConfigError(f"checkpoint folder '{path}' holds no complete checkpoint")
-    try:
-        load_model(chunks, str(found))
-    except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
-        raise _load_error(found, err) from None
+        raise CheckpointError(f"checkpoint folder '{path}' holds no complete checkpoint")
     return found
 
 
-def load(directory: Path, chunks, optimizer, scheduler) -> int:
-    """Restore everything saved by :func:`save`; returns the step to continue from."""
-    if not (directory / COMPLETE).is_file():
-        raise ConfigError(f"checkpoint '{directory}' is not a complete checkpoint "
-                          f"(no {COMPLETE})")
+def read_record(directory: Path) -> dict:
+    """complete.json of a checkpoint, after checking that the files megatron and the resume
+    need are there; one CheckpointError naming the file otherwise."""
+    try:
+        record = json.loads((directory / COMPLETE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint '{directory}' is damaged: {COMPLETE} is not "
+                              f"readable JSON ({_first_line(err)})") from None
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), int)
+                                               for k in ("step", "world_size")):
+        raise CheckpointError(f"checkpoint '{directory}' is damaged: {COMPLETE} lacks its "
+                              "step and world_size")
+    if not (directory / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint '{directory}' is damaged: its tensor index "
+                              "(.metadata) is missing")
+    missing = [f"rng/rank{r}.pt" for r in range(record["world_size"])
+               if not (directory / "rng" / f"rank{r}.pt").is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint '{directory}' is damaged: {missing[0]} is missing "
+                              f"({len(missing)} of {record['world_size']} RNG files)")
+    return record
+
+
+def position(record: dict, global_batch: int, seq_length: int) -> DataPosition:
+    """The data position a checkpoint was saved at (older checkpoints: step x batch)."""
+    if "position" in record:
+        return DataPosition(**record["position"])
+    return DataPosition().advance(record["step"], global_batch, seq_length)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _load_error(directory: Path, err: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint '{directory}' could not be loaded: {_first_line(err)}")
+
+
+def _check_shapes(sharded: dict, directory: Path) -> None:
+    """Every model tensor has the checkpoint's global shape: megatron would otherwise load
+    the overlap of a larger or smaller tensor (a vocabulary change) without a word."""
+    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    for tensor in nested_values(sharded):
+        if isinstance(tensor, ShardedTensor) and tensor.key in saved:
+            want, have = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
+            if want != have:
+                raise CheckpointError(f"checkpoint '{directory}' holds another model: tensor "
+                                      f"{tensor.key} is {list(want)} there, {list(have)} here")
+
+
+def load_weights(directory: Path, chunks) -> None:
+    """Model weights only, from the checkpoint ``directory`` (see :func:`find`): evaluation
+    and starting a run from given weights."""
+    sharded = model_sharded_state_dict(chunks)
+    try:
+        _check_shapes(sharded, directory)
+        state = dist_checkpointing.load(sharded, str(directory))
+    except CheckpointError:
+        raise
+    except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
+        raise _load_error(directory, err) from None
+    load_chunks(chunks, state)
+
+
+def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
+    """Restore everything saved by :func:`save` (``record``: its :func:`read_record`)."""
     prime_state(optimizer)
     try:
         sharded = _sharded_state(chunks, optimizer, scheduler, 0, loading=True)
+        _check_shapes(sharded, directory)
         state = dist_checkpointing.load(sharded, str(directory))
+    except CheckpointError:
+        raise
     except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
         raise _load_error(directory, err) from None
-    for index, chunk in enumerate(chunks):
-        key = "model" if len(chunks) == 1 else f"model{index}"
-        getattr(chunk, "module", chunk).load_state_dict(state[key])
+    load_chunks(chunks, state)
     check_schedule(scheduler, state["scheduler"])
     load_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    saved_world = json.loads((directory / COMPLETE).read_text())["world_size"]
-    if saved_world == dist.get_world_size():  # RNG streams are per rank of one layout
+    if record["world_size"] == dist.get_world_size():  # RNG streams are per rank of a layout
         _set_rng_state(torch.load(directory / "rng" / f"rank{dist.get_rank()}.pt",
                                   weights_only=False))
-    return int(state["step"])

@@ -89,6 +89,11 @@ class RunConfig:
     """Checkpoints to keep; older complete ones are deleted."""
     max_nonfinite_steps: int = 3
     """Abort after this many consecutive steps with a NaN/Inf loss or gradient."""
+    allow_data_change: bool = False
+    """Resume even though the data differs from the checkpoint's (other prefixes or weights,
+    split, seed, global batch or sequence length): the run continues from the checkpoint's
+    data position (samples and tokens consumed) on the new data. Otherwise such a resume is
+    refused, naming what changed."""
     init_from: str = ""
     """Start a new run from the model weights of this checkpoint (fresh optimizer, step 0).
     Ignored when the run folder already holds a checkpoint to resume from."""

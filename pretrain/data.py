@@ -3,14 +3,21 @@
 megatron-core builds the datasets (GPTDataset, blended by BlendedMegatronDatasetBuilder,
 split train/valid/test by document). Batches are then cut deterministically from the global
 sample index: optimizer step k uses samples [k * G, (k + 1) * G), split into micro-batches,
-each data-parallel rank taking its slice. The data position of a run is therefore just its
-step count, which is what checkpoints store; resuming needs no sampler state.
+each data-parallel rank taking its slice. The data position of a run is therefore its step
+count (and, after an allowed batch change, the samples consumed before it: see
+pretrain.identity.DataPosition), which is what checkpoints store; resuming needs no sampler
+state. megatron's sample-index cache is checked before it is read (megatron writes it
+non-atomically, so a killed start can leave a truncated file that it would trust).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -20,22 +27,48 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from model import device
 from model.config import ConfigError
 from pretrain.config import Config
+from pretrain.dry_run import human
+from pretrain.identity import START, DataPosition
 from pretrain.prepare import check_dataset
 
+log = logging.getLogger("pretrain")
 
-def sample_counts(config: Config) -> tuple[int, int]:
-    """Training and validation samples a run draws: every step's batch, and eval_iters
-    batches at each evaluation (the start, every eval_interval, the end). Evaluation of a
-    checkpoint asks for the same counts, so it sees exactly the validation set training saw."""
-    r, batch = config.run, config.data.global_batch_size
+
+# Bytes of megatron's sample index per training sample (sample, shuffle and blending
+# indices, int64 each, plus the document index), for the up-front size check.
+INDEX_BYTES_PER_SAMPLE = 40
+
+
+def sample_counts(config: Config, position: DataPosition = START) -> tuple[int, int]:
+    """Training and validation samples a run draws: every step's batch (from ``position``
+    on), and eval_iters batches at each evaluation (the start, every eval_interval, the end).
+    Evaluation of a checkpoint asks for the same counts, so it sees exactly the validation set
+    training saw."""
+    r, d = config.run, config.data
     evaluations = r.steps // r.eval_interval + 2
-    return r.steps * batch, evaluations * max(r.eval_iters, 1) * batch
+    train = position.advance(r.steps, d.global_batch_size, config.seq_length).samples
+    return train, evaluations * max(r.eval_iters, 1) * d.global_batch_size
+
+
+def _check_index_size(config: Config) -> None:
+    """An absurd run.steps makes megatron build a sample index larger than memory (hours of
+    silence, then an out-of-memory kill): refuse it with the estimate."""
+    samples = sum(sample_counts(config))
+    need = samples * INDEX_BYTES_PER_SAMPLE
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise ConfigError(
+            f"run.steps ({config.run.steps:,}) x data.global_batch_size "
+            f"({config.data.global_batch_size}) needs {samples:,} samples, whose index would "
+            f"take ~{human(need)}B, more than this machine's memory "
+            f"({human(memory)}B); lower run.steps")
 
 
 def check_data(config: Config, tokenizer) -> None:
     """Every prefix readable, within the tokenizer's vocabulary, and giving each split the run
     reads at least one document: checked before the run folder is touched."""
     data = config.data
+    _check_index_size(config)
     if not data.prefixes:
         raise ConfigError("data.prefixes is empty: give at least one dataset prefix (PREFIX of "
                           "PREFIX.bin/.idx, e.g. from prepare-data)")
@@ -65,24 +98,40 @@ def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
     )
 
 
-def build_datasets(config: Config, tokenizer):
-    """(train, valid) GPTDatasets of data that passed :func:`check_data`. Rank 0 builds
-    megatron's index cache first; the other ranks then read it, so no two processes write the
-    same cache file."""
+def build_datasets(config: Config, tokenizer, position: DataPosition = START):
+    """(train, valid) GPTDatasets of data that passed :func:`check_data`, sized for a run
+    continuing from ``position``. Rank 0 checks and builds megatron's index cache first; the
+    other ranks then read it, so no two processes write the same cache file."""
     dataset_config = _dataset_config(config, tokenizer)
-    sizes = [*sample_counts(config), 0]
+    sizes = [*sample_counts(config, position), 0]
 
     def build():
         return BlendedMegatronDatasetBuilder(
             GPTDataset, sizes, lambda: True, dataset_config).build()
 
     if dist.get_rank() == 0:
+        drop_damaged_cache(Path(dataset_config.path_to_cache))
         datasets = build()
         dist.barrier()
     else:
         dist.barrier()
         datasets = build()
     return datasets[0], datasets[1]
+
+
+def drop_damaged_cache(folder: Path) -> None:
+    """Remove every cached index set with an unreadable file, so megatron rebuilds it. It
+    writes description.txt and then each .npy in place; a set with a missing file is rebuilt
+    by megatron itself, a truncated .npy would be trusted and fail to load."""
+    for path in sorted(folder.glob("*.npy")) if folder.is_dir() else ():
+        try:
+            np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError):
+            group = path.name.rsplit("-", 1)[0]  # <hash>-<Class>-<split>
+            log.warning("data cache file %s is damaged (an interrupted write); rebuilding",
+                        path)
+            for member in folder.glob(f"{group}-*"):
+                member.unlink(missing_ok=True)
 
 
 def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix,
@@ -108,11 +157,12 @@ def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
             for k in keys}
 
 
-def step_microbatches(dataset, step: int, global_batch: int, micro_batch: int) -> Iterator[dict]:
-    """This rank's micro-batches of optimizer step ``step`` (sample-index arithmetic only)."""
+def step_microbatches(dataset, start: int, global_batch: int,
+                      micro_batch: int) -> Iterator[dict]:
+    """This rank's micro-batches of the global batch of samples [start, start + global_batch)
+    (sample-index arithmetic only)."""
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
-    start = step * global_batch
     for offset in range(0, global_batch, micro_batch * dp):
         first = start + offset + rank * micro_batch
         yield _collate([dataset[i % len(dataset)] for i in range(first, first + micro_batch)])

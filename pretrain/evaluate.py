@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain import checkpoint
+from pretrain import checkpoint, identity
 from pretrain.data import build_datasets, check_data
+from pretrain.metrics import strict_json
 from pretrain.train import evaluate, setup
 
 
 def evaluate_checkpoint(config, path: str) -> dict:
+    """The checkpoint's model must be the config's (checked before loading); the data may be
+    any, so a checkpoint can be scored on other validation data."""
+    found = checkpoint.find(Path(path))
+    identity.check_model(checkpoint.read_record(found).get("model"), config, found)
     tokenizer, chunks = setup(config, training=False)
-    found = checkpoint.load_weights(Path(path), chunks)
     check_data(config, tokenizer)
+    checkpoint.load_weights(found, chunks)
     _, valid = build_datasets(config, tokenizer)
     result = {"checkpoint": str(found), **evaluate(config, chunks, valid)}
     if dist.get_rank() == 0 and Path(config.run.dir).is_dir():
         with (Path(config.run.dir) / "eval.jsonl").open("a") as f:
-            f.write(json.dumps(result) + "\n")
+            f.write(strict_json(result) + "\n")
     return result

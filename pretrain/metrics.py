@@ -3,7 +3,8 @@
 Only one rank logs: the first tensor- and data-parallel rank of the last pipeline stage, where
 the loss lives. wandb is imported lazily, so a disabled run never touches it. A resumed run
 reuses the W&B run id stored in the run folder and so continues the same W&B run.
-Readers of metrics.jsonl should take the last record of each step: after a crash, the steps
+metrics.jsonl is strict JSON: a non-finite value is written as null. Readers of metrics.jsonl
+should take the last record of each step: after a crash, the steps
 between the last checkpoint and the crash are trained again and logged a second time.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import netrc
 import os
 import uuid
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from megatron.core import parallel_state
 
+from model.config import ConfigError
 from pretrain.config import Config
 
 log = logging.getLogger("pretrain")
@@ -29,18 +32,38 @@ def is_logging_rank() -> bool:
             and parallel_state.get_data_parallel_rank() == 0)
 
 
+def _has_credentials() -> bool:
+    """WANDB_API_KEY or a netrc entry for api.wandb.ai (what `wandb login` writes)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return bool(netrc.netrc().authenticators("api.wandb.ai"))
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def resolve_wandb_mode(mode: str) -> str:
     """``auto`` means online when credentials exist (WANDB_API_KEY or a netrc entry)."""
     if mode != "auto":
         return mode
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        if netrc.netrc().authenticators("api.wandb.ai"):
-            return "online"
-    except (FileNotFoundError, netrc.NetrcParseError):
-        pass
-    return "offline"
+    return "online" if _has_credentials() else "offline"
+
+
+def check_wandb(config: Config) -> None:
+    """``online`` without credentials would stop the run at wandb.init, after the run folder
+    was written, with wandb's own traceback; say it before anything starts."""
+    if config.logging.wandb_mode == "online" and not _has_credentials():
+        raise ConfigError("logging.wandb_mode ('online') needs W&B credentials: set "
+                          "WANDB_API_KEY or run `wandb login`, or use offline (then "
+                          "`wandb sync RUN/wandb/offline-run-*`) or auto")
+
+
+def strict_json(record: dict) -> str:
+    """One JSON line; NaN and Inf (a diverged loss) become null, which every JSON reader
+    accepts (Python's default writes the non-standard bare NaN)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
 
 
 class MetricsLogger:
@@ -73,7 +96,7 @@ class MetricsLogger:
         if not self.active:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
                                step=record["step"])

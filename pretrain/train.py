@@ -3,16 +3,17 @@
 Per step: the step's micro-batches go through megatron's schedule, the loss and gradients are
 checked for NaN/Inf (a bad step is skipped and counted; too many in a row abort), the
 optimizer and LR schedule step, and metrics, validation and checkpoints follow their
-intervals. SIGTERM/SIGUSR1 finish the current step, save, and return normally.
+intervals. SIGTERM/SIGUSR1 finish the current step, save, and return normally; during
+start-up they stop the run before its first step, with nothing to save (pretrain.stop).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
-import signal
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -27,7 +28,7 @@ from model import device, parallel
 from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ConfigError
 from model.schedule import forward_backward
-from pretrain import checkpoint, console, diagnostics
+from pretrain import checkpoint, console, diagnostics, identity
 from pretrain.config import Config, validate
 from pretrain.data import (
     build_datasets,
@@ -36,10 +37,13 @@ from pretrain.data import (
     step_microbatches,
 )
 from pretrain.dry_run import human
-from pretrain.metrics import MetricsLogger, is_logging_rank
+from pretrain.identity import START, DataPosition
+from pretrain.lock import RunLock
+from pretrain.metrics import MetricsLogger, check_wandb, is_logging_rank
 from pretrain.optim import build_optimizer
 from pretrain.progress import Progress
 from pretrain.rundir import prepare_run_dir, run_metadata
+from pretrain.stop import StopRequest
 from pretrain.throughput import Throughput
 from pretrain.tokenizer import Tokenizer
 
@@ -48,20 +52,6 @@ log = logging.getLogger("pretrain")
 
 class TrainingAborted(RuntimeError):
     """The run cannot continue (e.g. too many consecutive non-finite steps)."""
-
-
-class _StopRequest:
-    """Remembers SIGTERM/SIGUSR1 so the loop can stop at a step boundary."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        log.info("received %s: will save and stop after this step",
-                 signal.Signals(signum).name)
-        self.requested = True
 
 
 def params_dtype(config: Config) -> torch.dtype:
@@ -90,7 +80,7 @@ def _loss_share(losses: list[torch.Tensor]) -> torch.Tensor:
     return share
 
 
-def step_status(losses: list[torch.Tensor], chunks, stop: _StopRequest) -> StepStatus:
+def step_status(losses: list[torch.Tensor], chunks, stop: StopRequest) -> StepStatus:
     """Everything a step's host-side decisions need, agreed by every rank in one all-reduce
     and read back to the host once (one synchronisation per step)."""
     share = _loss_share(losses)
@@ -119,7 +109,8 @@ def evaluate(config: Config, chunks, dataset) -> dict:
     per_batch = []
     with torch.no_grad():
         for i in range(config.run.eval_iters):
-            batch = step_microbatches(dataset, i, d.global_batch_size, d.micro_batch_size)
+            batch = step_microbatches(dataset, i * d.global_batch_size, d.global_batch_size,
+                                      d.micro_batch_size)
             n = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
             per_batch.append(forward_backward(
                 chunks, batch, n, config.seq_length, d.micro_batch_size, forward_only=True))
@@ -161,39 +152,130 @@ def setup(config: Config, training: bool = True):
     return tokenizer, wrap_ddp(chunks, config.parallel)
 
 
-def train(config: Config) -> dict:
+class _Start(NamedTuple):
+    """Where a run begins: the checkpoint it resumes (None: a fresh run) and its position."""
+
+    previous: Path | None
+    record: dict
+    position: DataPosition
+
+
+def _stop_agreed(stop: StopRequest) -> bool:
+    """Whether some rank was asked to stop (one all-reduce): start-up stops only together."""
+    flag = torch.tensor([float(stop.requested)], device=device.compute_device())
+    dist.all_reduce(flag)
+    return bool(flag.item())
+
+
+def _config_edited(record: dict, run_dir: Path, config_path: str | None) -> str | None:
+    """The complaint when RUN/config.toml was edited since the run wrote it while this command
+    reads another file, so the edit would be silently ignored."""
+    own = run_dir / "config.toml"
+    saved = record.get("config_sha256")
+    if saved is None or not own.is_file() or config_path is None:
+        return None
+    if Path(config_path).resolve() == own.resolve() or _sha256(own) == saved:
+        return None
+    return (f"'{own}' was edited after the run wrote it, but this command reads --config "
+            f"{config_path}; resume with `train --run.dir={run_dir}` (no --config) to use the "
+            "edited file, or undo the edit")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_start(config: Config, config_path: str | None) -> _Start:
+    """What this start resumes or loads, checked against the config before a tensor is read:
+    the model (always), the data (on resume), edits of RUN/config.toml."""
+    r, d = config.run, config.data
+    run_dir = Path(r.dir)
+    previous = checkpoint.resolve(run_dir / "checkpoints")
+    if previous is None:
+        if r.init_from:
+            source = checkpoint.find(Path(r.init_from))
+            identity.check_model(checkpoint.read_record(source).get("model"), config, source)
+        return _Start(None, {}, START)
+    record = checkpoint.read_record(previous)
+    identity.check_model(record.get("model"), config, previous)
+    identity.check_data(record.get("data"), config, previous)
+    edited = _config_edited(record, run_dir, config_path)
+    if edited:
+        raise ConfigError(edited)
+    return _Start(previous, record,
+                  checkpoint.position(record, d.global_batch_size, config.seq_length))
+
+
+def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
+    log.info("stopped by %s during start-up, before step %d; nothing to save",
+             stop.signal_name, at + 1)
+    return {"stopped_at": at}
+
+
+def train(config: Config, stop: StopRequest | None = None,
+          config_path: str | None = None) -> dict:
     """Train (resuming from the newest complete checkpoint in the run folder, if any).
-    Returns the final validation metrics."""
-    run_dir = Path(config.run.dir)
+    Returns the final validation metrics. ``stop`` is the signal catcher (installed by the
+    CLI before its imports), ``config_path`` the file the config was read from.
+
+    Nothing is written to run.dir until every check passed: the config, the data, the lock
+    (one run per folder) and what the checkpoint to resume or load is."""
+    stop = stop or StopRequest.install()
+    check_wandb(config)
     tokenizer, chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
+    check_data(config, tokenizer)  # a data mistake stops the run before it writes anything
+    if _stop_agreed(stop):
+        return _stopped_in_start_up(stop, 0)
+    lock = RunLock(Path(config.run.dir))
+    lock.acquire()
+    try:
+        return _train_locked(config, tokenizer, chunks, stop, config_path)
+    finally:
+        lock.release()
+
+
+def _train_locked(config: Config, tokenizer, chunks, stop: StopRequest,
+                  config_path: str | None) -> dict:
+    r, d = config.run, config.data
+    run_dir, ckpt_root = Path(r.dir), Path(r.dir) / "checkpoints"
+    begin = _check_start(config, config_path)
     optimizer, scheduler = build_optimizer(config, chunks, params_dtype(config))
     parameters = _model_parameters(chunks)
-    r, d = config.run, config.data
-    ckpt_root = run_dir / "checkpoints"
-    previous = checkpoint.resolve(ckpt_root)
-    check_data(config, tokenizer)  # a data mistake stops the run before it writes anything
-    prepare_run_dir(run_dir, config, parameters, resuming=previous is not None)
-    start = 0
-    if previous is not None:
-        start = checkpoint.load(previous, chunks, optimizer, scheduler)
+    if begin.previous is not None:
+        checkpoint.load(begin.previous, begin.record, chunks, optimizer, scheduler)
     elif r.init_from:
-        checkpoint.load_weights(Path(r.init_from), chunks)
-    announce(config, parameters, start, previous)
-    train_set, valid_set = build_datasets(config, tokenizer)
+        checkpoint.load_weights(checkpoint.find(Path(r.init_from)), chunks)
+    start = begin.position.step
+    if _stop_agreed(stop):
+        return _stopped_in_start_up(stop, start)
+    prepare_run_dir(run_dir, config, parameters, resuming=begin.previous is not None)
+    identity_record = {"model": identity.model_identity(config),
+                       "data": identity.data_identity(config),
+                       "config_sha256": _sha256(run_dir / "config.toml")}
+    announce(config, parameters, start, begin.previous)
+    train_set, valid_set = build_datasets(config, tokenizer, begin.position)
+    if _stop_agreed(stop):
+        return _stopped_in_start_up(stop, start)
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
     progress = Progress(start, r.steps, enabled=is_logging_rank())
-    stop = _StopRequest()
     throughput = Throughput(config)
     diag = diagnostics.build(config, chunks)  # None when off: no hooks at all
     micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
-    tokens_per_step = d.global_batch_size * config.seq_length
-    def validation(at: int) -> dict:
+
+    def at(step: int) -> DataPosition:
+        return begin.position.advance(step, d.global_batch_size, config.seq_length)
+
+    def validation(step: int) -> dict:
         result = evaluate(config, chunks, valid_set)
-        metrics.log({"step": at, **result})
-        progress.message(f"validation at step {at}: loss {result['val_loss']:.4f}, "
+        metrics.log({"step": step, **result})
+        progress.message(f"validation at step {step}: loss {result['val_loss']:.4f}, "
                          f"perplexity {result['val_ppl']:.1f}")
         return result
+
+    def save(step: int) -> None:
+        record = {**identity_record, "position": at(step)._asdict()}
+        checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last, record)
 
     if start == 0 and r.eval_iters:
         validation(0)
@@ -205,7 +287,7 @@ def train(config: Config) -> dict:
         optimizer.zero_grad()
         with diag.step(step + 1) if diag else contextlib.nullcontext():
             losses = forward_backward(chunks, step_microbatches(
-                train_set, step, d.global_batch_size, d.micro_batch_size),
+                train_set, at(step).samples, d.global_batch_size, d.micro_batch_size),
                 micro, config.seq_length, d.micro_batch_size)
         status = step_status(losses, chunks, stop)
         loss = status.loss
@@ -222,7 +304,7 @@ def train(config: Config) -> dict:
         step += 1
         elapsed = time.perf_counter() - began
         if step % r.log_interval == 0 or step == r.steps:
-            record = {"step": step, "consumed_tokens": step * tokens_per_step, "loss": loss,
+            record = {"step": step, "consumed_tokens": at(step).tokens, "loss": loss,
                       "lr": lr,
                       "grad_norm": float(grad_norm) if grad_norm is not None else None,
                       "skipped_steps": skipped, **throughput.measure(elapsed)}
@@ -243,7 +325,12 @@ def train(config: Config) -> dict:
             validation(step)
         stopping = status.stop
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
-            checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last)
+            try:
+                save(step)
+            except checkpoint.CheckpointError:
+                progress.close()
+                metrics.finish()
+                raise
         if stopping:
             progress.message(f"stopped by signal after step {step}; checkpoint saved")
             progress.close()

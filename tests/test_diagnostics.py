@@ -255,7 +255,9 @@ def test_run_logs_correct_diagnostics_to_jsonl_and_wandb(single_rank, logged_run
     checkpoint.load_weights(logged_run / "checkpoints" / "step_00000001", [model])
     train_set, _ = build_datasets(config, Tokenizer(config.data.tokenizer))
     d = config.data
-    microbatches = list(step_microbatches(train_set, 1, d.global_batch_size, d.micro_batch_size))
+    second_batch = d.global_batch_size  # the first sample of step 1
+    microbatches = list(step_microbatches(train_set, second_batch, d.global_batch_size,
+                                          d.micro_batch_size))
     expected = manual_stats(model, microbatches, two_stream=True)
     assert len(expected) == 4 * config.model.num_layers + 4
     _assert_close(rows[1], expected, rel=1e-4)

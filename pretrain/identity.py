@@ -1,0 +1,139 @@
+"""What a checkpoint is: its model, its data and its data position, compared before loading.
+
+Every checkpoint records (in ``complete.json``) the model fields that decide which function its
+tensors compute, the identity of the data it was trained on and how far into that data it got.
+A resume, ``eval`` or ``run.init_from`` compares them with the config at hand *before* megatron
+reads a tensor, so a different vocabulary or hidden size is refused naming the field and both
+values instead of loading part of the checkpoint. A data, batch or seed change on resume is
+refused unless ``run.allow_data_change``; then the data position (samples and tokens consumed)
+carries on from the checkpoint's, so consumed tokens never go backwards and no sample index is
+reused by accident.
+
+Datasets are identified by a fingerprint of their files, not by path, so moving a corpus to
+another file system keeps a run resumable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any, NamedTuple
+
+from model.config import ConfigError
+from pretrain.config import Config
+
+log = logging.getLogger("pretrain")
+
+# Model fields that may change between a checkpoint and the run loading it: how the same
+# function is computed (kernels, attention), regularisation, and initialisation (unused when
+# weights are loaded). Every other model field shapes a tensor or changes the function.
+CHANGEABLE_MODEL_FIELDS = frozenset({
+    "attention_backend", "transformer_impl", "hidden_dropout", "attention_dropout",
+    "init_method_std",
+})
+FINGERPRINT_BYTES = 1 << 20
+
+
+def model_identity(config: Config) -> dict[str, Any]:
+    return {k: v for k, v in config.to_dict()["model"].items()
+            if k not in CHANGEABLE_MODEL_FIELDS}
+
+
+def fingerprint(prefix: str) -> str:
+    """A short content hash of a dataset: the sizes of .bin and .idx and the head and tail of
+    the .idx (its header and the document table). Cheap for any corpus size, and different
+    for any other tokenisation or document set in practice."""
+    digest = hashlib.sha256()
+    idx = prefix + ".idx"
+    size = os.path.getsize(idx)
+    digest.update(f"{os.path.getsize(prefix + '.bin')}:{size}".encode())
+    with open(idx, "rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def data_identity(config: Config) -> dict[str, Any]:
+    """The inputs that decide which sample a step reads."""
+    d = config.data
+    weights = d.weights or [1.0] * len(d.prefixes)
+    return {
+        "datasets": [{"prefix": p, "fingerprint": fingerprint(p), "weight": w}
+                     for p, w in zip(d.prefixes, weights, strict=True)],
+        "split": d.split, "seed": config.run.seed,
+        "global_batch_size": d.global_batch_size, "seq_length": config.seq_length,
+    }
+
+
+class DataPosition(NamedTuple):
+    """How far into its data a run is: at optimizer step ``step``, ``samples`` sequences and
+    ``tokens`` tokens were consumed. A run with an unchanged batch has samples = step x batch;
+    after an allowed batch change the offsets carry the earlier part of the run."""
+
+    step: int = 0
+    samples: int = 0
+    tokens: int = 0
+
+    def advance(self, step: int, global_batch: int, seq_length: int) -> DataPosition:
+        """The position at ``step`` (>= self.step) with this batch and sequence length."""
+        done = step - self.step
+        return DataPosition(step, self.samples + done * global_batch,
+                            self.tokens + done * global_batch * seq_length)
+
+
+START = DataPosition()
+"""A fresh run's position."""
+
+
+def model_differences(saved: dict[str, Any], config: Config) -> list[str]:
+    current = model_identity(config)
+    return [f"model.{k} ({_show(saved[k])} in the checkpoint, {_show(current[k])} here)"
+            for k in current if k in saved and saved[k] != current[k]]
+
+
+def check_model(saved: dict[str, Any] | None, config: Config, checkpoint: str) -> None:
+    """Refuse a checkpoint whose model differs from ``config``'s (every differing field named).
+    ``saved`` is None for checkpoints written before identities were recorded: their tensor
+    shapes are still checked when they load."""
+    differences = model_differences(saved, config) if saved else []
+    if differences:
+        raise ConfigError(f"checkpoint '{checkpoint}' holds another model: "
+                          f"{'; '.join(differences)}")
+
+
+def data_differences(saved: dict[str, Any], config: Config) -> list[str]:
+    current = data_identity(config)
+    found = []
+    old, new = saved["datasets"], current["datasets"]
+    if [(s["fingerprint"], s["weight"]) for s in old] != [(s["fingerprint"], s["weight"])
+                                                          for s in new]:
+        found.append(f"data.prefixes/weights ({_datasets(old)} in the checkpoint, "
+                     f"{_datasets(new)} here)")
+    names = {"split": "data.split", "seed": "run.seed",
+             "global_batch_size": "data.global_batch_size", "seq_length": "data.seq_length"}
+    found += [f"{name} ({_show(saved[k])} in the checkpoint, {_show(current[k])} here)"
+              for k, name in names.items() if saved[k] != current[k]]
+    return found
+
+
+def check_data(saved: dict[str, Any] | None, config: Config, checkpoint: str) -> None:
+    """Refuse a resume on other data, batch or seed unless ``run.allow_data_change``."""
+    differences = data_differences(saved, config) if saved else []
+    if not differences:
+        return
+    if not config.run.allow_data_change:
+        raise ConfigError(f"checkpoint '{checkpoint}' was trained on other data: "
+                          f"{'; '.join(differences)}; resume with --run.allow_data_change=true "
+                          "to continue on the new data from the checkpoint's position")
+    log.warning("data changed on resume (run.allow_data_change): %s", "; ".join(differences))
+
+
+def _datasets(entries: list[dict]) -> str:
+    return "[" + ", ".join(f"{e['prefix']} x{e['weight']:g} #{e['fingerprint'][:8]}"
+                           for e in entries) + "]"
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
