@@ -12,7 +12,7 @@ the latest. Resuming takes the newest complete checkpoint (``latest`` is only a 
 and optimizer tensors carry global keys, so a checkpoint loads under any TP/PP/VP layout.
 ``complete.json`` also records what the checkpoint is (:mod:`pretrain.identity`): its model,
 its data and data position, checked before any tensor is read. Weights that are not finite
-are never saved.
+are never saved (pretrain.train checks before each save).
 """
 
 from __future__ import annotations
@@ -98,22 +98,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def _weights_finite(chunks) -> bool:
-    """Every model weight on every rank is finite (one all-reduce)."""
-    bad = sum((~torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()),
-              torch.zeros((), device=device.compute_device()))
-    return not _on_any_rank(bool(bad.item()))
-
-
 def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
          record: dict) -> Path:
     """Save atomically; ``record`` (what the checkpoint is) goes into complete.json. A failed
     write on any rank (a full disk) removes the partial folder on every rank and raises one
-    CheckpointError; non-finite weights raise before anything is written."""
+    CheckpointError."""
     final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
-    if not _weights_finite(chunks):
-        raise CheckpointError(f"the weights after step {step} are not finite (NaN/Inf); no "
-                              f"checkpoint written, the last good one is {resolve(root)}")
     failure = None
     try:
         if _rank0():

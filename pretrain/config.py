@@ -311,6 +311,9 @@ def load_config(path: str | None, overrides: list[str] = (), training: bool = Tr
     return config
 
 
+FP32_MAX = 3.4028234663852886e38
+
+
 def _require_finite(config: Config) -> None:
     """Every float field of every section is a finite number (TOML and the command line both
     accept inf and nan)."""
@@ -344,8 +347,12 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         for name in ("beta1", "beta2"):
             value = getattr(o, name)
             require(0 <= value < 1, f"optim.{name} ({value}) must be in [0, 1)")
+        first_step = o.lr / (1 - o.beta1)  # Adam's bias-corrected step size at step 1
+        require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be < "
+                f"{FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
     else:
-        require(r.eval_iters >= 1, f"run.eval_iters ({r.eval_iters}) must be >= 1 to evaluate")
+        require(r.eval_iters >= 1, f"run.eval_iters ({r.eval_iters}) must be >= 1 to evaluate "
+                "(e.g. --run.eval_iters=10)")
     if d.cache_dir:
         require_creatable(d.cache_dir, "data.cache_dir")
     require_creatable(r.dir, "run.dir")

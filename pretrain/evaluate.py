@@ -7,18 +7,18 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain import checkpoint, identity
-from pretrain.data import build_datasets, check_data
+from pretrain.data import build_datasets
 from pretrain.metrics import strict_json
-from pretrain.train import evaluate, setup
+from pretrain.train import evaluate, preflight, setup
 
 
 def evaluate_checkpoint(config, path: str) -> dict:
     """The checkpoint's model must be the config's (checked before loading); the data may be
     any, so a checkpoint can be scored on other validation data."""
+    tokenizer = preflight(config, training=False)
     found = checkpoint.find(Path(path))
     identity.check_model(checkpoint.read_record(found).get("model"), config, found)
-    tokenizer, chunks = setup(config, training=False)
-    check_data(config, tokenizer)
+    chunks = setup(config)
     checkpoint.load_weights(found, chunks)
     _, valid = build_datasets(config, tokenizer)
     result = {"checkpoint": str(found), **evaluate(config, chunks, valid)}

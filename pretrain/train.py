@@ -30,12 +30,7 @@ from model.config import ConfigError
 from model.schedule import forward_backward
 from pretrain import checkpoint, console, diagnostics, identity
 from pretrain.config import Config, validate
-from pretrain.data import (
-    build_datasets,
-    check_data,
-    microbatches_per_step,
-    step_microbatches,
-)
+from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
 from pretrain.dry_run import human
 from pretrain.identity import START, DataPosition
 from pretrain.lock import RunLock
@@ -120,6 +115,14 @@ def evaluate(config: Config, chunks, dataset) -> dict:
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0))}
 
 
+def weights_finite(chunks) -> bool:
+    """Every model weight on every rank is finite (one all-reduce), checked before a save."""
+    bad = sum((~torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()),
+              torch.zeros((), device=device.compute_device()))
+    dist.all_reduce(bad)
+    return not bad.item()
+
+
 def _model_parameters(chunks) -> int:
     """Parameters of the whole model: this rank's share summed over TP and PP ranks."""
     total = torch.tensor([count_parameters(chunks)], dtype=torch.int64,
@@ -128,11 +131,23 @@ def _model_parameters(chunks) -> int:
     return int(total.item())
 
 
-def setup(config: Config, training: bool = True):
-    """Process groups, tokenizer and DDP-wrapped model; shared by training and evaluation
-    (``training=False``: the LR schedule is not checked)."""
-    # Check the layout against the launch before megatron builds groups (it would assert).
+def preflight(config: Config, training: bool = True) -> Tokenizer:
+    """Every check that needs no process group or model (the layout against the launch, the
+    tokenizer, the data), so a mistake fails in seconds; returns the tokenizer. Shared by
+    training and evaluation (``training=False``: the LR schedule is not checked)."""
+    # The layout against the launch before megatron builds groups (it would assert).
     validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)), training=training)
+    tokenizer = Tokenizer(config.data.tokenizer)
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
+                          f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
+                          f"{config.data.tokenizer})")
+    check_data(config, tokenizer)
+    return tokenizer
+
+
+def setup(config: Config) -> list:
+    """Process groups and the DDP-wrapped model chunks (after :func:`preflight`)."""
     if config.run.deterministic:  # before NCCL and cuBLAS start
         device.make_deterministic()
     parallel.initialize(config.parallel, seed=config.run.seed)
@@ -140,16 +155,11 @@ def setup(config: Config, training: bool = True):
         dispatch.set_backend(config.kernels.norm_backend)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    tokenizer = Tokenizer(config.data.tokenizer)
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
-                          f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
-                          f"{config.data.tokenizer})")
     dtype = params_dtype(config)
     chunks = build_model(config.model, config.parallel, dtype)
     if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    return tokenizer, wrap_ddp(chunks, config.parallel)
+    return wrap_ddp(chunks, config.parallel)
 
 
 class _Start(NamedTuple):
@@ -218,28 +228,30 @@ def train(config: Config, stop: StopRequest | None = None,
     Returns the final validation metrics. ``stop`` is the signal catcher (installed by the
     CLI before its imports), ``config_path`` the file the config was read from.
 
-    Nothing is written to run.dir until every check passed: the config, the data, the lock
-    (one run per folder) and what the checkpoint to resume or load is."""
+    Nothing is written to run.dir until every check passed: the config, the data, what the
+    checkpoint to resume or load is (all before a process group or model exists) and the
+    lock (one run per folder)."""
     stop = stop or StopRequest.install()
     check_wandb(config)
-    tokenizer, chunks = setup(config)
+    tokenizer = preflight(config)
+    begin = _check_start(config, config_path)
+    chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
-    check_data(config, tokenizer)  # a data mistake stops the run before it writes anything
     if _stop_agreed(stop):
         return _stopped_in_start_up(stop, 0)
     lock = RunLock(Path(config.run.dir))
     lock.acquire()
     try:
-        return _train_locked(config, tokenizer, chunks, stop, config_path)
+        if checkpoint.resolve(Path(config.run.dir) / "checkpoints") != begin.previous:
+            begin = _check_start(config, config_path)  # another run saved before we locked
+        return _train_locked(config, tokenizer, chunks, begin, stop)
     finally:
         lock.release()
 
 
-def _train_locked(config: Config, tokenizer, chunks, stop: StopRequest,
-                  config_path: str | None) -> dict:
+def _train_locked(config: Config, tokenizer, chunks, begin: _Start, stop: StopRequest) -> dict:
     r, d = config.run, config.data
     run_dir, ckpt_root = Path(r.dir), Path(r.dir) / "checkpoints"
-    begin = _check_start(config, config_path)
     optimizer, scheduler = build_optimizer(config, chunks, params_dtype(config))
     parameters = _model_parameters(chunks)
     if begin.previous is not None:
@@ -274,6 +286,10 @@ def _train_locked(config: Config, tokenizer, chunks, stop: StopRequest,
         return result
 
     def save(step: int) -> None:
+        if not weights_finite(chunks):
+            raise TrainingAborted(f"the weights after step {step} are not finite (NaN/Inf); "
+                                  f"no checkpoint written, the last good one is "
+                                  f"{checkpoint.resolve(ckpt_root)}")
         record = {**identity_record, "position": at(step)._asdict()}
         checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last, record)
 
@@ -327,7 +343,7 @@ def _train_locked(config: Config, tokenizer, chunks, stop: StopRequest,
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
             try:
                 save(step)
-            except checkpoint.CheckpointError:
+            except (checkpoint.CheckpointError, TrainingAborted):
                 progress.close()
                 metrics.finish()
                 raise

@@ -71,8 +71,12 @@ def train_args(data: dict, run_dir: Path, *extra: str) -> list[str]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
+    """The records of metrics.jsonl, which must be strict JSON (no bare NaN or Infinity)."""
+    def reject(constant: str):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return [json.loads(line, parse_constant=reject) for line in lines]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -178,9 +178,9 @@ def test_diverging_run_skips_nonfinite_steps_then_aborts(data, tmp_path):
     assert last.startswith("error: 2 consecutive steps had a NaN/Inf loss or gradient"), last
     rows = [r for r in metrics(run) if "loss" in r]
     assert [r["skipped_steps"] for r in rows[-2:]] == [1, 2]
-    # Norms keep the loss finite here; the gradients overflow, and no update was applied.
-    assert all(not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]))
-               for r in rows[-2:])
+    # Norms keep the loss finite here; the gradients overflow, and no update was applied:
+    # the non-finite values are written as null (metrics() rejects a bare NaN).
+    assert all(r["loss"] is None or r["grad_norm"] is None for r in rows[-2:])
 
 
 def test_blended_prefixes_train(data, tmp_path):

@@ -1,13 +1,24 @@
-"""Bad input to `python -m pretrain` exits non-zero with one `error:` line naming the field or
-file, the rule and the value, and leaves every file that existed before untouched."""
+"""Bad input to `python -m pretrain` exits 2 with one `error:` line naming the field or file,
+the rule and the value, prints no traceback, and leaves every file that existed before
+byte-identical.
 
+CASES run the CLI in a child process each. EARLY_CASES are mistakes found before a process
+group or model exists (config, data, tokenizer, checkpoint identity): they run the same
+``main(argv)`` in this process, seconds faster each, with the model set-up replaced by a
+failure so that a case the checks let through cannot start training here.
+"""
+
+import contextlib
 import hashlib
+import logging
 import shutil
+import signal
+import warnings
 from pathlib import Path
 
 import pytest
 
-from tests.pretrain_fixtures import cli, make_corpus, train_args
+from tests.pretrain_fixtures import REPO, cli, make_corpus, train_args
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +28,7 @@ def ctx(tmp_path_factory):
     cli("train-tokenizer", data["corpus"], "--output", str(root / "data" / "small"),
         "--vocab-size", "400")
     run = root / "finished"
-    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=0"))
+    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=1"))
     corrupt = root / "corrupt-run"
     shutil.copytree(run, corrupt)
     shard = next((corrupt / "checkpoints" / "step_00000003").glob("*.distcp"))
@@ -31,7 +42,58 @@ def ctx(tmp_path_factory):
     (root / "part.jsonl").write_text("\n".join(lines) + "\n")
     cli("prepare-data", str(root / "part.jsonl"), "--tokenizer", data["tokenizer"],
         "--output", str(root / "data" / "part"))
+    _damaged_copies(root, run)
+    _damaged_data(root, data)
+    _bad_tomls(root)
     return {"root": root, "data": data, "run": run, "corrupt": corrupt}
+
+
+def _checkpoint(run: Path) -> Path:
+    return run / "checkpoints" / "step_00000003"
+
+
+def _damaged_copies(root: Path, run: Path) -> None:
+    """Copies of the finished run, each damaged in one way."""
+    damage = {
+        "empty-complete": lambda c: (c / "complete.json").write_text(""),
+        "no-rng": lambda c: shutil.rmtree(c / "rng"),
+        "no-metadata": lambda c: (c / ".metadata").unlink(),
+        "no-step": lambda c: (c / "complete.json").write_text('{"world_size": 1}'),
+    }
+    for name, hurt in damage.items():
+        shutil.copytree(run, root / name)
+        hurt(_checkpoint(root / name))
+    edited = root / "edited"
+    shutil.copytree(run, edited)
+    text = (edited / "config.toml").read_text()
+    (edited / "config.toml").write_text(text.replace("keep_last = 2", "keep_last = 3"))
+
+
+def _damaged_data(root: Path, data: dict) -> None:
+    """Datasets whose .idx is truncated, text, or whose .bin is short."""
+    prefix = Path(data["prefix"])
+    idx, bins = prefix.with_suffix(".idx").read_bytes(), prefix.with_suffix(".bin").read_bytes()
+    for name, new_idx, new_bin in (("short-idx", idx[:len(idx) // 2], bins),
+                                   ("text-idx", b"documents: 12\n", bins),
+                                   ("short-bin", idx, bins[:len(bins) // 2])):
+        (root / "data" / f"{name}.idx").write_bytes(new_idx)
+        (root / "data" / f"{name}.bin").write_bytes(new_bin)
+    (root / "a-folder").mkdir()
+    (root / "a-folder.bin").mkdir()
+    (root / "a-folder.idx").mkdir()
+
+
+def _bad_tomls(root: Path) -> None:
+    tomls = {
+        "section-is-number": "run = 5\n",
+        "section-is-list": "model = [1, 2]\n",
+        "base-is-number": "base = 5\n",
+        "base-is-folder": 'base = "a-folder"\n',
+        "steps-as-string": '[run]\nsteps = "ten"\n',
+        "key-outside-section": "steps = 10\n",
+    }
+    for name, text in tomls.items():
+        (root / f"{name}.toml").write_text(text)
 
 
 def _train(c, *extra):
@@ -71,8 +133,8 @@ CASES = {
                           ["/nonexistent/tok.model", "does not exist"]),
     "corrupt tokenizer": (lambda c: _train(c, f"--data.tokenizer={c['root'] / 'garbage.model'}"),
                           ["garbage.model", "not a sentencepiece model"]),
-    "unwritable run folder": (lambda c: _train(c, f"--run.dir={c['root'] / 'a-file' / 'run'}"),
-                              ["a-file/run", "not writable"]),
+    "run folder under a file": (lambda c: _train(c, f"--run.dir={c['root'] / 'a-file' / 'run'}"),
+                                ["run.dir", "a-file/run", "is a file"]),
     "missing checkpoint folder": (
         lambda c: ["eval", "--config", str(c["run"] / "config.toml"),
                    "--checkpoint", str(c["root"] / "no-such-ckpt")],
@@ -103,9 +165,149 @@ CASES = {
 }
 
 
+def _in(c, *parts: str) -> str:
+    return str(c["root"].joinpath(*parts))
+
+
+def _resume(c, run: str, *extra):
+    return train_args(c["data"], c["root"] / run, "--run.steps=3", "--run.eval_iters=0", *extra)
+
+
+def _eval(c, run: str = "finished", *extra):
+    return ["eval", "--config", str(c["run"] / "config.toml"), "--checkpoint",
+            _in(c, run, "checkpoints"), *extra]
+
+
+def _data(c, name: str):
+    return _train(c, f"--data.prefixes={_in(c, 'data', name)}")
+
+
+def _toml(c, name: str):
+    return ["train", "--config", _in(c, f"{name}.toml")]
+
+
+# Found before any process group exists: run in this process (see the module docstring).
+EARLY_CASES = {
+    # optimizer and run ranges
+    "beta2 above 1": (lambda c: _train(c, "--optim.beta2=1.5"), ["optim.beta2 (1.5)", "[0, 1)"]),
+    "negative beta1": (lambda c: _train(c, "--optim.beta1=-0.1"), ["optim.beta1 (-0.1)"]),
+    "negative weight decay": (lambda c: _train(c, "--optim.weight_decay=-0.1"),
+                              ["optim.weight_decay (-0.1)", ">= 0"]),
+    "negative eps": (lambda c: _train(c, "--optim.eps=-1"), ["optim.eps (-1.0)", "> 0"]),
+    "zero eps": (lambda c: _train(c, "--optim.eps=0"), ["optim.eps (0.0)", "> 0"]),
+    "negative clip": (lambda c: _train(c, "--optim.clip_grad=-1"), ["optim.clip_grad (-1.0)"]),
+    "infinite lr": (lambda c: _train(c, "--optim.lr=inf"), ["optim.lr (inf)", "finite"]),
+    "nan lr": (lambda c: _train(c, "--optim.lr=nan"), ["optim.lr (nan)", "finite"]),
+    "lr beyond fp32": (lambda c: _train(c, "--optim.lr=1e39"),
+                       ["optim.lr (1e+39) / (1 - optim.beta1)", "fp32"]),
+    "infinite min lr": (lambda c: _train(c, "--optim.min_lr=inf"), ["optim.min_lr (inf)"]),
+    "min lr above lr": (lambda c: _train(c, "--optim.min_lr=1"), ["optim.min_lr (1.0)"]),
+    "nan norm eps": (lambda c: _train(c, "--model.norm_eps=nan"), ["model.norm_eps (nan)"]),
+    "infinite spike factor": (lambda c: _train(c, "--diagnostics.spike_factor=inf"),
+                              ["diagnostics.spike_factor (inf)"]),
+    "infinite peak TFLOP/s": (lambda c: _train(c, "--logging.peak_tflops=inf"),
+                              ["logging.peak_tflops (inf)"]),
+    "negative seed": (lambda c: _train(c, "--run.seed=-1"), ["run.seed (-1)", "[0, 2**31)"]),
+    "seed too large": (lambda c: _train(c, "--run.seed=4294967296"), ["run.seed (4294967296)"]),
+    "zero steps": (lambda c: _train(c, "--run.steps=0"), ["run.steps (0)", ">= 1"]),
+    "negative warm-up": (lambda c: _train(c, "--optim.warmup_steps=-1"),
+                         ["optim.warmup_steps (-1)"]),
+    "zero eval interval": (lambda c: _train(c, "--run.eval_interval=0"),
+                           ["run.eval_interval (0)"]),
+    "zero keep_last": (lambda c: _train(c, "--run.keep_last=0"), ["run.keep_last (0)"]),
+    "zero micro-batch": (lambda c: _train(c, "--data.micro_batch_size=0"),
+                         ["data.micro_batch_size (0)"]),
+    "absurd run length": (lambda c: _train(c, "--run.steps=1000000000000000"),
+                          ["run.steps (1,000,000,000,000,000)", "index", "memory"]),
+    # choices and structure
+    "unknown wandb mode": (lambda c: _train(c, "--logging.wandb_mode=loud"),
+                           ["logging.wandb_mode ('loud')"]),
+    "unknown dtype": (lambda c: _train(c, "--run.params_dtype=fp8"), ["run.params_dtype"]),
+    "unknown norm backend": (lambda c: _train(c, "--kernels.norm_backend=cuda"),
+                             ["kernels.norm_backend ('cuda')"]),
+    "unknown scheme": (lambda c: _train(c, "--model.residual_scheme=sandwich"),
+                       ["model.residual_scheme ('sandwich')"]),
+    "split not numbers": (lambda c: _train(c, "--data.split=a,b,c"), ["data.split ('a,b,c')"]),
+    "weights per prefix": (lambda c: _train(c, "--data.weights=0.5,0.5"),
+                           ["data.weights has 2 entries", "data.prefixes has 1"]),
+    "section is a number": (lambda c: _toml(c, "section-is-number"), ["[run]", "table", "5"]),
+    "section is a list": (lambda c: _toml(c, "section-is-list"), ["[model]", "table"]),
+    "base is a number": (lambda c: _toml(c, "base-is-number"), ["base (5)", "file name"]),
+    "base is a folder": (lambda c: _toml(c, "base-is-folder"), ["a-folder", "is a folder"]),
+    "string for an integer": (lambda c: _toml(c, "steps-as-string"), ["run.steps ('ten')"]),
+    "key outside a section": (lambda c: _toml(c, "key-outside-section"), ["[steps]"]),
+    "config is a folder": (lambda c: ["train", "--config", _in(c, "a-folder")],
+                           ["a-folder", "is a folder, not a file"]),
+    # paths
+    "cache dir is a file": (lambda c: _train(c, f"--data.cache_dir={_in(c, 'a-file')}"),
+                            ["data.cache_dir", "a-file", "is a file"]),
+    "tokenizer is a folder": (lambda c: _train(c, f"--data.tokenizer={_in(c, 'a-folder')}"),
+                              ["tokenizer", "a-folder", "is a folder"]),
+    "no data prefixes": (lambda c: _train(c, "--data.prefixes=[]"), ["data.prefixes is empty"]),
+    "data prefix of folders": (lambda c: _data(c, "../a-folder"), ["a-folder.bin", "folder"]),
+    "truncated idx": (lambda c: _data(c, "short-idx"), ["short-idx.idx", "truncated"]),
+    "text idx": (lambda c: _data(c, "text-idx"), ["text-idx.idx", "not a Megatron index"]),
+    "short bin": (lambda c: _data(c, "short-bin"), ["short-bin.bin", "bytes"]),
+    "prepare output under a file": (
+        lambda c: ["prepare-data", c["data"]["corpus"], "--tokenizer", c["data"]["tokenizer"],
+                   "--output", _in(c, "a-file", "out")],
+        ["prepare-data --output", "a-file", "is a file"]),
+    "tokenizer output under a file": (
+        lambda c: ["train-tokenizer", c["data"]["corpus"], "--output", _in(c, "a-file", "tok")],
+        ["train-tokenizer --output", "a-file", "is a file"]),
+    # checkpoints: identity and integrity, before any tensor is read
+    "resume with other vocabulary": (lambda c: _resume(c, "finished", "--model.vocab_size=1024"),
+                                     ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
+    "resume with other width": (lambda c: _resume(c, "finished", "--model.hidden_size=128"),
+                                ["model.hidden_size (64 in the checkpoint, 128 here)"]),
+    "resume with other scheme": (lambda c: _resume(c, "finished", "--model.residual_scheme=pre"),
+                                 ["model.residual_scheme ('siamese' in the checkpoint"]),
+    "resume with other batch": (
+        lambda c: _resume(c, "finished", "--data.global_batch_size=16"),
+        ["data.global_batch_size (8 in the checkpoint, 16 here)", "allow_data_change"]),
+    "resume with other seed": (lambda c: _resume(c, "finished", "--run.seed=7"),
+                               ["run.seed (1234 in the checkpoint, 7 here)"]),
+    "resume on other data": (lambda c: _resume(c, "finished",
+                                               f"--data.prefixes={_in(c, 'data', 'part')}"),
+                             ["data.prefixes/weights", "part"]),
+    "resume ignoring an edited config": (lambda c: _resume(c, "edited"),
+                                         ["edited/config.toml", "was edited", "--run.dir="]),
+    "resume from empty complete.json": (lambda c: _resume(c, "empty-complete"),
+                                        ["step_00000003", "complete.json", "not readable JSON"]),
+    "resume without rng files": (lambda c: _resume(c, "no-rng"), ["rng/rank0.pt", "missing"]),
+    "resume without tensor index": (lambda c: _resume(c, "no-metadata"), [".metadata"]),
+    "resume from record without step": (lambda c: _resume(c, "no-step"),
+                                        ["complete.json lacks its step"]),
+    "init from other model": (lambda c: _train(c, f"--run.init_from={_in(c, 'finished')}/"
+                                                  "checkpoints", "--model.num_layers=4"),
+                              ["model.num_layers (2 in the checkpoint, 4 here)"]),
+    "eval of other vocabulary": (lambda c: _eval(c, "finished", "--model.vocab_size=1024"),
+                                 ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
+    "eval without batches": (lambda c: _eval(c, "finished", "--run.eval_iters=0"),
+                             ["run.eval_iters (0)", ">= 1"]),
+    "eval of a file": (lambda c: ["eval", "--config", str(c["run"] / "config.toml"),
+                                  "--checkpoint", _in(c, "a-file")], ["a-file", "is a file"]),
+    "eval of empty complete.json": (lambda c: _eval(c, "empty-complete"), ["not readable JSON"]),
+    "online W&B without credentials": (lambda c: _train(c, "--logging.wandb_mode=online"),
+                                       ["logging.wandb_mode ('online')", "WANDB_API_KEY"]),
+}
+
+
 def _snapshot(root: Path) -> dict[str, str]:
     return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in root.rglob("*") if p.is_file()}
+
+
+def _check(stderr: str, code: int, fragments: list[str], before: dict, root: Path) -> None:
+    assert code == 2, (code, stderr[-2000:])
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and stderr.strip().endswith(errors[0]), stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    after = _snapshot(root)
+    changed = [p for p, digest in before.items() if after.get(p) != digest]
+    assert not changed, changed
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -113,11 +315,45 @@ def test_bad_input_is_one_line_and_damages_nothing(ctx, case):
     make_args, fragments = CASES[case]
     before = _snapshot(ctx["root"])
     done = cli(*make_args(ctx), check=False)
-    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: "), done.stderr[-2000:]
-    for fragment in fragments:
-        assert fragment in last, (fragment, last)
-    after = _snapshot(ctx["root"])
-    changed = [p for p, digest in before.items() if after.get(p) != digest]
-    assert not changed, changed
+    _check(done.stderr, done.returncode, fragments, before, ctx["root"])
+
+
+@contextlib.contextmanager
+def _isolated(monkeypatch, tmp_path):
+    """The CLI's process-wide settings (logging, warning filters, signal handlers) put back
+    afterwards; no W&B credentials; no model or process group can be built."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(REPO)
+
+    def no_setup(*_args, **_kwargs):
+        raise AssertionError("the checks let this case through to the model set-up")
+
+    monkeypatch.setattr("pretrain.train.setup", no_setup)
+    monkeypatch.setattr("pretrain.evaluate.setup", no_setup)
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("case", list(EARLY_CASES))
+def test_early_bad_input_is_one_line_and_damages_nothing(ctx, case, capfd, monkeypatch,
+                                                         tmp_path):
+    from pretrain.__main__ import main
+
+    make_args, fragments = EARLY_CASES[case]
+    before = _snapshot(ctx["root"])
+    capfd.readouterr()
+    with _isolated(monkeypatch, tmp_path):
+        code = main(make_args(ctx))
+    _check(capfd.readouterr().err, code, fragments, before, ctx["root"])
+
