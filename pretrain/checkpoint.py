@@ -131,7 +131,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
         dist.barrier()
         reason = _first_line(failure) if failure is not None else "failed on another rank"
         raise CheckpointError(f"saving checkpoint step {step} to '{root}' failed ({reason}); "
-                              f"the latest checkpoint is still {resolve(root)}")
+                              f"{latest_text(root)}")
     if _rank0():
         if final.exists():
             shutil.rmtree(final)
@@ -153,6 +153,12 @@ def resolve(path: Path) -> Path | None:
         return path
     complete = complete_checkpoints(path)
     return complete[-1] if complete else None
+
+
+def latest_text(root: Path) -> str:
+    """Which checkpoint a stopped run can resume from, for error messages."""
+    found = resolve(root)
+    return f"the latest checkpoint is {found}" if found else "no checkpoint was written yet"
 
 
 def find(path: Path) -> Path:

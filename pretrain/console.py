@@ -41,6 +41,9 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (UserWarning, "When using sequence parallelism it is recommended to set",
      "a CUDA_DEVICE_MAX_CONNECTIONS hint megatron prints even on CPU ranks"),
     (SyntaxWarning, "invalid escape sequence", "a docstring in megatron's source"),
+    (UserWarning, "Could not determine rank from torch.distributed",
+     "megatron's dataset reader logs through torch.distributed; the data checks read the data "
+     "before process groups exist, so that mistakes fail in seconds"),
 )
 
 # megatron log records (logger "megatron.*", level WARNING) that describe megatron itself.

@@ -22,6 +22,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from model import device
@@ -72,12 +76,14 @@ def check_data(config: Config, tokenizer) -> None:
     if not data.prefixes:
         raise ConfigError("data.prefixes is empty: give at least one dataset prefix (PREFIX of "
                           "PREFIX.bin/.idx, e.g. from prepare-data)")
-    dataset_config = _dataset_config(config, tokenizer)
+    # megatron's own split arithmetic, without building a dataset config (that logs through
+    # torch.distributed, which does not exist yet at this point)
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split))
     sizes = sample_counts(config)
     wanted = (sizes[0], sizes[1] if config.run.eval_iters else 0)
     for prefix in data.prefixes:
         count = check_dataset(prefix, tokenizer.vocab_size)
-        _check_split_not_empty(prefix, count, data.split, dataset_config.split_matrix, wanted)
+        _check_split_not_empty(prefix, count, data.split, split_matrix, wanted)
 
 
 def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:

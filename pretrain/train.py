@@ -288,8 +288,8 @@ def _train_locked(config: Config, tokenizer, chunks, begin: _Start, stop: StopRe
     def save(step: int) -> None:
         if not weights_finite(chunks):
             raise TrainingAborted(f"the weights after step {step} are not finite (NaN/Inf); "
-                                  f"no checkpoint written, the last good one is "
-                                  f"{checkpoint.resolve(ckpt_root)}")
+                                  f"no checkpoint written; "
+                                  f"{checkpoint.latest_text(ckpt_root)}")
         record = {**identity_record, "position": at(step)._asdict()}
         checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last, record)
 
@@ -335,8 +335,8 @@ def _train_locked(config: Config, tokenizer, chunks, begin: _Start, stop: StopRe
             metrics.finish()
             raise TrainingAborted(
                 f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
-                f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); last good "
-                f"checkpoint: {checkpoint.resolve(ckpt_root)}")
+                f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
+                f"{checkpoint.latest_text(ckpt_root)}")
         if r.eval_iters and step % r.eval_interval == 0 and step < r.steps:
             validation(step)
         stopping = status.stop
