@@ -10,7 +10,6 @@ start-up they stop the run before its first step, with nothing to save (pretrain
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import os
@@ -32,12 +31,13 @@ from pretrain import checkpoint, console, diagnostics, identity
 from pretrain.config import Config, validate
 from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
 from pretrain.dry_run import human
-from pretrain.identity import START, DataPosition
+from pretrain.identity import DataPosition
 from pretrain.lock import RunLock
 from pretrain.metrics import MetricsLogger, check_wandb, is_logging_rank
 from pretrain.optim import build_optimizer
 from pretrain.progress import Progress
 from pretrain.rundir import prepare_run_dir, run_metadata
+from pretrain.start import StartPoint, check_start, sha256
 from pretrain.stop import StopRequest
 from pretrain.throughput import Throughput
 from pretrain.tokenizer import Tokenizer
@@ -162,58 +162,11 @@ def setup(config: Config) -> list:
     return wrap_ddp(chunks, config.parallel)
 
 
-class _Start(NamedTuple):
-    """Where a run begins: the checkpoint it resumes (None: a fresh run) and its position."""
-
-    previous: Path | None
-    record: dict
-    position: DataPosition
-
-
 def _stop_agreed(stop: StopRequest) -> bool:
     """Whether some rank was asked to stop (one all-reduce): start-up stops only together."""
     flag = torch.tensor([float(stop.requested)], device=device.compute_device())
     dist.all_reduce(flag)
     return bool(flag.item())
-
-
-def _config_edited(record: dict, run_dir: Path, config_path: str | None) -> str | None:
-    """The complaint when RUN/config.toml was edited since the run wrote it while this command
-    reads another file, so the edit would be silently ignored."""
-    own = run_dir / "config.toml"
-    saved = record.get("config_sha256")
-    if saved is None or not own.is_file() or config_path is None:
-        return None
-    if Path(config_path).resolve() == own.resolve() or _sha256(own) == saved:
-        return None
-    return (f"'{own}' was edited after the run wrote it, but this command reads --config "
-            f"{config_path}; resume with `train --run.dir={run_dir}` (no --config) to use the "
-            "edited file, or undo the edit")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _check_start(config: Config, config_path: str | None) -> _Start:
-    """What this start resumes or loads, checked against the config before a tensor is read:
-    the model (always), the data (on resume), edits of RUN/config.toml."""
-    r, d = config.run, config.data
-    run_dir = Path(r.dir)
-    previous = checkpoint.resolve(run_dir / "checkpoints")
-    if previous is None:
-        if r.init_from:
-            source = checkpoint.find(Path(r.init_from))
-            identity.check_model(checkpoint.read_record(source).get("model"), config, source)
-        return _Start(None, {}, START)
-    record = checkpoint.read_record(previous)
-    identity.check_model(record.get("model"), config, previous)
-    identity.check_data(record.get("data"), config, previous)
-    edited = _config_edited(record, run_dir, config_path)
-    if edited:
-        raise ConfigError(edited)
-    return _Start(previous, record,
-                  checkpoint.position(record, d.global_batch_size, config.seq_length))
 
 
 def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
@@ -234,7 +187,7 @@ def train(config: Config, stop: StopRequest | None = None,
     stop = stop or StopRequest.install()
     check_wandb(config)
     tokenizer = preflight(config)
-    begin = _check_start(config, config_path)
+    begin = check_start(config, config_path)
     chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
     if _stop_agreed(stop):
@@ -243,13 +196,13 @@ def train(config: Config, stop: StopRequest | None = None,
     lock.acquire()
     try:
         if checkpoint.resolve(Path(config.run.dir) / "checkpoints") != begin.previous:
-            begin = _check_start(config, config_path)  # another run saved before we locked
+            begin = check_start(config, config_path)  # another run saved before we locked
         return _train_locked(config, tokenizer, chunks, begin, stop)
     finally:
         lock.release()
 
 
-def _train_locked(config: Config, tokenizer, chunks, begin: _Start, stop: StopRequest) -> dict:
+def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: StopRequest) -> dict:
     r, d = config.run, config.data
     run_dir, ckpt_root = Path(r.dir), Path(r.dir) / "checkpoints"
     optimizer, scheduler = build_optimizer(config, chunks, params_dtype(config))
@@ -264,7 +217,7 @@ def _train_locked(config: Config, tokenizer, chunks, begin: _Start, stop: StopRe
     prepare_run_dir(run_dir, config, parameters, resuming=begin.previous is not None)
     identity_record = {"model": identity.model_identity(config),
                        "data": identity.data_identity(config),
-                       "config_sha256": _sha256(run_dir / "config.toml")}
+                       "config_sha256": sha256(run_dir / "config.toml")}
     announce(config, parameters, start, begin.previous)
     train_set, valid_set = build_datasets(config, tokenizer, begin.position)
     if _stop_agreed(stop):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import pydoc_data.topics
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from model.parallel import standalone_env
@@ -62,6 +65,37 @@ def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None =
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return done
+
+
+def popen(args: list[str], gpu: bool = False) -> subprocess.Popen:
+    """``python -m pretrain ARGS`` started in the background, output captured."""
+    return subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=env(gpu),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has installed a handler for ``sig`` (Linux /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
+def signal_during_start_up(args: list[str], sig: signal.Signals,
+                           gpu: bool = False) -> subprocess.Popen:
+    """Start ``args`` and send ``sig`` as soon as the CLI catches it, i.e. while torch and
+    megatron are still loading; returns the finished process (output in .stdout/.stderr)."""
+    proc = popen(args, gpu)
+    wait_for(lambda: proc.poll() is not None or catches(proc.pid, sig), "the handler")
+    proc.send_signal(sig)
+    proc.stdout_text, proc.stderr_text = proc.communicate(timeout=300)
+    return proc
 
 
 def train_args(data: dict, run_dir: Path, *extra: str) -> list[str]:

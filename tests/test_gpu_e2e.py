@@ -24,6 +24,7 @@ from tests.pretrain_fixtures import (
     env,
     make_corpus,
     metrics,
+    signal_during_start_up,
     train_losses,
     val_losses,
 )
@@ -130,3 +131,13 @@ def test_gpu_eval_reproduces_the_final_validation_loss(reference):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["checkpoint"].endswith(f"step_{STEPS:08d}")
     assert result["val_loss"] == pytest.approx(val_losses(reference)[-1], rel=1e-6)
+
+
+def test_gpu_signal_during_start_up_stops_cleanly(data, tmp_path):
+    """The start-up stop is agreed over NCCL once the process group exists."""
+    run = tmp_path / "run"
+    proc = signal_during_start_up(_args(data, run), signal.SIGTERM, gpu=True)
+    assert proc.returncode == 0, proc.stderr_text[-2000:]
+    assert "stopped by SIGTERM during start-up" in proc.stderr_text
+    assert json.loads(proc.stdout_text.strip().splitlines()[-1]) == {"stopped_at": 0}
+    assert not run.exists()

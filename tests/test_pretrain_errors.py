@@ -321,7 +321,7 @@ def test_bad_input_is_one_line_and_damages_nothing(ctx, case):
 @contextlib.contextmanager
 def _isolated(monkeypatch, tmp_path):
     """The CLI's process-wide settings (logging, warning filters, signal handlers) put back
-    afterwards; no W&B credentials; no model or process group can be built."""
+    afterwards; no W&B credentials; no model or process group can be built or torn down."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
@@ -335,6 +335,8 @@ def _isolated(monkeypatch, tmp_path):
 
     monkeypatch.setattr("pretrain.train.setup", no_setup)
     monkeypatch.setattr("pretrain.evaluate.setup", no_setup)
+    # main() tears process groups down at exit; here they are the test session's
+    monkeypatch.setattr("model.parallel.destroy", lambda: None)
     try:
         with warnings.catch_warnings():
             yield

@@ -3,13 +3,11 @@ non-finite weights, a damaged data cache, and a resume on changed data, through 
 
 import json
 import os
-import re
 import resource
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,17 @@ import torch
 
 from pretrain import checkpoint
 from pretrain.train import weights_finite
-from tests.pretrain_fixtures import REPO, cli, env, make_corpus, metrics, train_args
+from tests.pretrain_fixtures import (
+    REPO,
+    cli,
+    env,
+    make_corpus,
+    metrics,
+    popen,
+    signal_during_start_up,
+    train_args,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +41,6 @@ def finished(data, tmp_path_factory):
     return run
 
 
-def _popen(args: list[str], **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
-
-
 def _error_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -45,20 +48,13 @@ def _error_line(stderr: str) -> str:
     return errors[0]
 
 
-def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_second_run_on_a_folder_is_refused_and_a_killed_run_does_not_block(data, tmp_path):
     run = tmp_path / "run"
     args = train_args(data, run, "--run.steps=100000", "--run.eval_iters=0",
                       "--run.save_interval=0")
-    first = _popen(args)
+    first = popen(args)
     try:
-        _wait_for(lambda: (run / "metrics.jsonl").is_file(), "the first run to train")
+        wait_for(lambda: (run / "metrics.jsonl").is_file(), "the first run to train")
         second = cli(*args, check=False)
         assert second.returncode == 2
         line = _error_line(second.stderr)
@@ -74,22 +70,13 @@ def test_a_second_run_on_a_folder_is_refused_and_a_killed_run_does_not_block(dat
     assert (run / "checkpoints" / "step_00000003" / "complete.json").is_file()
 
 
-def _catches(pid: int, sig: signal.Signals) -> bool:
-    """Whether process ``pid`` has installed a handler for ``sig`` (Linux /proc)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
-    return bool(mask >> (sig - 1) & 1)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_during_start_up_stops_cleanly_and_writes_nothing(data, tmp_path, sig):
     """Sent as soon as the CLI catches it, i.e. while torch and megatron are still loading:
     the run stops before its first step, exit 0, and the run folder is never created."""
     run = tmp_path / "run"
-    proc = _popen(train_args(data, run, "--run.steps=50"))
-    _wait_for(lambda: proc.poll() is not None or _catches(proc.pid, sig), "the handler")
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
+    proc = signal_during_start_up(train_args(data, run, "--run.steps=50"), sig)
+    out, err = proc.stdout_text, proc.stderr_text
     assert proc.returncode == 0, err[-2000:]
     assert f"stopped by {sig.name} during start-up, before step 1; nothing to save" in err
     assert json.loads(out.strip().splitlines()[-1]) == {"stopped_at": 0}

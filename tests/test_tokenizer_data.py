@@ -295,7 +295,7 @@ def test_bad_datasets(tmp_path):
     _raises(f"data file '{prefix}.bin' has 8 bytes but '{prefix}.idx' describes 10",
             check_dataset, str(prefix), 500)
     (tmp_path / "data.idx").write_bytes(b"not an index at all")
-    _raises(f"data prefix '{prefix}' is not a readable Megatron indexed dataset",
+    _raises(f"data file '{prefix}.idx' is not a Megatron index (bad header)",
             check_dataset, str(prefix), 500)
     (tmp_path / "data.idx").unlink()
     _raises(f"data file '{prefix}.idx' does not exist", check_dataset, str(prefix), 500)

@@ -1,0 +1,66 @@
+"""Where a run starts, checked before a process group, a model or the run folder is touched.
+
+A resume must be of the same model (always) on the same data (unless allowed: see
+pretrain.identity), from a run folder whose config.toml was not edited behind the command's
+back; ``run.init_from`` must hold the same model. All of it reads only small files, so a
+mistake fails in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import NamedTuple
+
+from model.config import ConfigError
+from pretrain import checkpoint, identity
+from pretrain.config import Config
+from pretrain.identity import START, DataPosition
+
+
+class StartPoint(NamedTuple):
+    """Where a run begins: the checkpoint it resumes (None: a fresh run) and its position."""
+
+    previous: Path | None
+    record: dict
+    position: DataPosition
+
+
+def _config_edited(record: dict, run_dir: Path, config_path: str | None) -> str | None:
+    """The complaint when RUN/config.toml was edited since the run wrote it while this command
+    reads another file, so the edit would be silently ignored."""
+    own = run_dir / "config.toml"
+    saved = record.get("config_sha256")
+    if saved is None or not own.is_file() or config_path is None:
+        return None
+    if Path(config_path).resolve() == own.resolve() or sha256(own) == saved:
+        return None
+    return (f"'{own}' was edited after the run wrote it, but this command reads --config "
+            f"{config_path}; resume with `train --run.dir={run_dir}` (no --config) to use the "
+            "edited file, or undo the edit")
+
+
+def sha256(path: Path) -> str:
+    """Content hash of a run-folder file (config.toml, recorded in each checkpoint)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_start(config: Config, config_path: str | None) -> StartPoint:
+    """What this start resumes or loads, checked against the config before a tensor is read:
+    the model (always), the data (on resume), edits of RUN/config.toml."""
+    r, d = config.run, config.data
+    run_dir = Path(r.dir)
+    previous = checkpoint.resolve(run_dir / "checkpoints")
+    if previous is None:
+        if r.init_from:
+            source = checkpoint.find(Path(r.init_from))
+            identity.check_model(checkpoint.read_record(source).get("model"), config, source)
+        return StartPoint(None, {}, START)
+    record = checkpoint.read_record(previous)
+    identity.check_model(record.get("model"), config, previous)
+    identity.check_data(record.get("data"), config, previous)
+    edited = _config_edited(record, run_dir, config_path)
+    if edited:
+        raise ConfigError(edited)
+    return StartPoint(previous, record,
+                      checkpoint.position(record, d.global_batch_size, config.seq_length))
