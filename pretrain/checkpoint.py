@@ -18,6 +18,7 @@ are never saved (pretrain.train checks before each save).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -37,6 +38,8 @@ from model.checkpoint import load_chunks, model_sharded_state_dict
 from model.config import ConfigError
 from pretrain.identity import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
+
+log = logging.getLogger("pretrain")
 
 COMPLETE = "complete.json"
 # The distributed optimizer's state in its per-parameter (canonical) form, so a checkpoint
@@ -105,20 +108,25 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
     CheckpointError."""
     final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
     failure = None
-    try:
-        if _rank0():
+    if _rank0():
+        try:
             if tmp.exists():
                 shutil.rmtree(tmp)  # left by a crash during an earlier save
             tmp.mkdir(parents=True)
-        dist.barrier()
-        dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False),
-                                str(tmp))
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
-        if os.environ.get(FAULT_KILL_IN_SAVE) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die with the save half done
-    except LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
-        failure = err
+        except OSError as err:
+            failure = err
+    # Each reduction below is also the barrier between the phases, so that a rank that failed
+    # alone never leaves the others waiting in a collective it skipped.
+    if not _on_any_rank(failure is not None):
+        try:
+            dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False),
+                                    str(tmp))
+            (tmp / "rng").mkdir(exist_ok=True)
+            torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
+            if os.environ.get(FAULT_KILL_IN_SAVE) == str(step):
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-save
+        except LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
+            failure = err
     if not _on_any_rank(failure is not None) and _rank0():
         try:
             text = json.dumps({"step": step, "world_size": dist.get_world_size(), **record})
@@ -137,8 +145,11 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
             shutil.rmtree(final)
         os.replace(tmp, final)
         latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, root / "latest")
+        try:
+            latest_tmp.write_text(final.name)
+            os.replace(latest_tmp, root / "latest")
+        except OSError as err:  # the checkpoint is complete; `latest` is only a hint
+            log.warning("could not update %s: %s", root / "latest", err.strerror)
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()
