@@ -53,6 +53,14 @@ def seed_everything(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank of the job (one all-reduce on the compute device):
+    how the ranks agree on a host-side decision, e.g. to stop or that a write failed."""
+    value = torch.tensor([float(flag)], device=device.compute_device())
+    dist.all_reduce(value)
+    return bool(value.item())
+
+
 def destroy() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from model import device
 from model.checkpoint import load_chunks, model_sharded_state_dict
 from model.config import ConfigError
+from model.parallel import any_rank
 from pretrain.identity import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
 
@@ -57,13 +58,6 @@ class CheckpointError(ConfigError):
 
 def _rank0() -> bool:
     return dist.get_rank() == 0
-
-
-def _on_any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on some rank (one all-reduce)."""
-    value = torch.tensor([float(flag)], device=device.compute_device())
-    dist.all_reduce(value)
-    return bool(value.item())
 
 
 def _rng_state() -> dict:
@@ -117,7 +111,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
             failure = err
     # Each reduction below is also the barrier between the phases, so that a rank that failed
     # alone never leaves the others waiting in a collective it skipped.
-    if not _on_any_rank(failure is not None):
+    if not any_rank(failure is not None):
         try:
             dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False),
                                     str(tmp))
@@ -127,13 +121,13 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-save
         except LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
             failure = err
-    if not _on_any_rank(failure is not None) and _rank0():
+    if not any_rank(failure is not None) and _rank0():
         try:
             text = json.dumps({"step": step, "world_size": dist.get_world_size(), **record})
             (tmp / COMPLETE).write_text(text)
         except OSError as err:
             failure = err
-    if _on_any_rank(failure is not None):
+    if any_rank(failure is not None):
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()

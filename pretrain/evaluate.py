@@ -9,6 +9,7 @@ import torch.distributed as dist
 from pretrain import checkpoint, identity
 from pretrain.data import build_datasets
 from pretrain.metrics import strict_json
+from pretrain.start import weights_source
 from pretrain.train import evaluate, preflight, setup
 
 
@@ -16,8 +17,7 @@ def evaluate_checkpoint(config, path: str) -> dict:
     """The checkpoint's model must be the config's (checked before loading); the data may be
     any, so a checkpoint can be scored on other validation data."""
     tokenizer = preflight(config, training=False)
-    found = checkpoint.find(Path(path))
-    identity.check_model(checkpoint.read_record(found).get("model"), config, found)
+    found = weights_source(path, identity.model_identity(config))
     chunks = setup(config)
     checkpoint.load_weights(found, chunks)
     _, valid = build_datasets(config, tokenizer)

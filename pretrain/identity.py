@@ -87,24 +87,27 @@ START = DataPosition()
 """A fresh run's position."""
 
 
-def model_differences(saved: dict[str, Any], config: Config) -> list[str]:
-    current = model_identity(config)
+def run_identity(config: Config) -> dict[str, Any]:
+    """What a checkpoint of this config records: {"model": ..., "data": ...}."""
+    return {"model": model_identity(config), "data": data_identity(config)}
+
+
+def model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [f"model.{k} ({_show(saved[k])} in the checkpoint, {_show(current[k])} here)"
             for k in current if k in saved and saved[k] != current[k]]
 
 
-def check_model(saved: dict[str, Any] | None, config: Config, checkpoint: str) -> None:
-    """Refuse a checkpoint whose model differs from ``config``'s (every differing field named).
-    ``saved`` is None for checkpoints written before identities were recorded: their tensor
-    shapes are still checked when they load."""
-    differences = model_differences(saved, config) if saved else []
+def check_model(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: str) -> None:
+    """Refuse a checkpoint whose model differs from ``current`` (:func:`model_identity`),
+    naming every differing field. ``saved`` is None for checkpoints written before identities
+    were recorded: their tensor shapes are still checked when they load."""
+    differences = model_differences(saved, current) if saved else []
     if differences:
         raise ConfigError(f"checkpoint '{checkpoint}' holds another model: "
                           f"{'; '.join(differences)}")
 
 
-def data_differences(saved: dict[str, Any], config: Config) -> list[str]:
-    current = data_identity(config)
+def data_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     found = []
     old, new = saved["datasets"], current["datasets"]
     if [(s["fingerprint"], s["weight"]) for s in old] != [(s["fingerprint"], s["weight"])
@@ -118,12 +121,14 @@ def data_differences(saved: dict[str, Any], config: Config) -> list[str]:
     return found
 
 
-def check_data(saved: dict[str, Any] | None, config: Config, checkpoint: str) -> None:
-    """Refuse a resume on other data, batch or seed unless ``run.allow_data_change``."""
-    differences = data_differences(saved, config) if saved else []
+def check_data(saved: dict[str, Any] | None, current: dict[str, Any], allow_change: bool,
+               checkpoint: str) -> None:
+    """Refuse a resume on other data, batch or seed (``current``: :func:`data_identity`)
+    unless ``allow_change`` (run.allow_data_change)."""
+    differences = data_differences(saved, current) if saved else []
     if not differences:
         return
-    if not config.run.allow_data_change:
+    if not allow_change:
         raise ConfigError(f"checkpoint '{checkpoint}' was trained on other data: "
                           f"{'; '.join(differences)}; resume with --run.allow_data_change=true "
                           "to continue on the new data from the checkpoint's position")

@@ -15,11 +15,10 @@ import socket
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from model import device
 from model.config import ConfigError
+from model.parallel import any_rank
 
 LOCK_FILE = "run.lock"
 
@@ -33,12 +32,8 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock on rank 0; every rank raises the same ConfigError when it is held."""
-        holder = ""
-        if dist.get_rank() == 0:
-            holder = self._take()
-        flag = torch.tensor([1.0 if holder else 0.0], device=device.compute_device())
-        dist.broadcast(flag, src=0)
-        if flag.item():
+        holder = self._take() if dist.get_rank() == 0 else ""
+        if any_rank(bool(holder)):
             where = f": {holder}" if dist.get_rank() == 0 else ""
             raise ConfigError(f"run.dir '{self.path.parent}' is in use by another run"
                               f"{where}; wait for it, or stop it, or choose another run.dir")

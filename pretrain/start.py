@@ -19,11 +19,15 @@ from pretrain.identity import START, DataPosition
 
 
 class StartPoint(NamedTuple):
-    """Where a run begins: the checkpoint it resumes (None: a fresh run) and its position."""
+    """Where a run begins: the checkpoint it resumes (None: a fresh run), that checkpoint's
+    record and the data position; the checkpoint whose weights a fresh run starts from
+    (run.init_from), and this run's identity (pretrain.identity.run_identity)."""
 
     previous: Path | None
     record: dict
     position: DataPosition
+    weights: Path | None
+    identity: dict
 
 
 def _config_edited(record: dict, run_dir: Path, config_path: str | None) -> str | None:
@@ -45,22 +49,29 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def weights_source(path: str, model: dict) -> Path:
+    """The checkpoint ``path`` names (for eval and run.init_from), after checking that it
+    holds the model ``model`` (:func:`pretrain.identity.model_identity`)."""
+    found = checkpoint.find(Path(path))
+    identity.check_model(checkpoint.read_record(found).get("model"), model, found)
+    return found
+
+
 def check_start(config: Config, config_path: str | None) -> StartPoint:
     """What this start resumes or loads, checked against the config before a tensor is read:
     the model (always), the data (on resume), edits of RUN/config.toml."""
     r, d = config.run, config.data
     run_dir = Path(r.dir)
+    current = identity.run_identity(config)
     previous = checkpoint.resolve(run_dir / "checkpoints")
     if previous is None:
-        if r.init_from:
-            source = checkpoint.find(Path(r.init_from))
-            identity.check_model(checkpoint.read_record(source).get("model"), config, source)
-        return StartPoint(None, {}, START)
+        weights = weights_source(r.init_from, current["model"]) if r.init_from else None
+        return StartPoint(None, {}, START, weights, current)
     record = checkpoint.read_record(previous)
-    identity.check_model(record.get("model"), config, previous)
-    identity.check_data(record.get("data"), config, previous)
+    identity.check_model(record.get("model"), current["model"], previous)
+    identity.check_data(record.get("data"), current["data"], r.allow_data_change, previous)
     edited = _config_edited(record, run_dir, config_path)
     if edited:
         raise ConfigError(edited)
-    return StartPoint(previous, record,
-                      checkpoint.position(record, d.global_batch_size, config.seq_length))
+    position = checkpoint.position(record, d.global_batch_size, config.seq_length)
+    return StartPoint(previous, record, position, None, current)

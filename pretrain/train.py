@@ -27,7 +27,7 @@ from model import device, parallel
 from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ConfigError
 from model.schedule import forward_backward
-from pretrain import checkpoint, console, diagnostics, identity
+from pretrain import checkpoint, console, diagnostics
 from pretrain.config import Config, validate
 from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
 from pretrain.dry_run import human
@@ -162,13 +162,6 @@ def setup(config: Config) -> list:
     return wrap_ddp(chunks, config.parallel)
 
 
-def _stop_agreed(stop: StopRequest) -> bool:
-    """Whether some rank was asked to stop (one all-reduce): start-up stops only together."""
-    flag = torch.tensor([float(stop.requested)], device=device.compute_device())
-    dist.all_reduce(flag)
-    return bool(flag.item())
-
-
 def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
     log.info("stopped by %s during start-up, before step %d; nothing to save",
              stop.signal_name, at + 1)
@@ -190,7 +183,7 @@ def train(config: Config, stop: StopRequest | None = None,
     begin = check_start(config, config_path)
     chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
-    if _stop_agreed(stop):
+    if parallel.any_rank(stop.requested):  # start-up stops only together
         return _stopped_in_start_up(stop, 0)
     lock = RunLock(Path(config.run.dir))
     lock.acquire()
@@ -209,18 +202,16 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
     parameters = _model_parameters(chunks)
     if begin.previous is not None:
         checkpoint.load(begin.previous, begin.record, chunks, optimizer, scheduler)
-    elif r.init_from:
-        checkpoint.load_weights(checkpoint.find(Path(r.init_from)), chunks)
+    elif begin.weights is not None:
+        checkpoint.load_weights(begin.weights, chunks)
     start = begin.position.step
-    if _stop_agreed(stop):
+    if parallel.any_rank(stop.requested):
         return _stopped_in_start_up(stop, start)
     prepare_run_dir(run_dir, config, parameters, resuming=begin.previous is not None)
-    identity_record = {"model": identity.model_identity(config),
-                       "data": identity.data_identity(config),
-                       "config_sha256": sha256(run_dir / "config.toml")}
+    identity_record = {**begin.identity, "config_sha256": sha256(run_dir / "config.toml")}
     announce(config, parameters, start, begin.previous)
     train_set, valid_set = build_datasets(config, tokenizer, begin.position)
-    if _stop_agreed(stop):
+    if parallel.any_rank(stop.requested):
         return _stopped_in_start_up(stop, start)
     metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
     progress = Progress(start, r.steps, enabled=is_logging_rank())

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 from model import device as compute
 from model import parallel
 from model.config import ParallelConfig
+from tests.pretrain_fixtures import make_corpus
 
 
 def _rewrite_interpreted_kernels() -> None:
@@ -58,6 +59,13 @@ def single_rank(device):
     parallel.initialize(ParallelConfig(), seed=1234)
     yield
     parallel.destroy()
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    """The real-text corpus, tokenizer and dataset of the CLI tests (tests/pretrain_fixtures),
+    made once per session; tests only read it."""
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,14 +11,9 @@ import pytest
 from model.config import ConfigError
 from pretrain.config import load_config
 from pretrain.progress import clock
-from tests.pretrain_fixtures import cli, make_corpus, train_args
+from tests.pretrain_fixtures import cli, train_args
 
 WARNING_LINE = re.compile(r"Warning|warnings\.warn|\[megatron\]")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_train_console_is_quiet_and_shows_the_run_then_progress(data, tmp_path):

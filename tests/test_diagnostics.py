@@ -16,7 +16,7 @@ from model.schemes import PositionEmbedding
 from pretrain.config import load_config
 from pretrain.diagnostics import LossSpikeDetector, StreamDiagnostics, build
 from tests.helpers import MBS, SEQ, batches, tiny_model
-from tests.pretrain_fixtures import cli, make_corpus, metrics, train_args
+from tests.pretrain_fixtures import cli, metrics, train_args
 from tests.wandb_reader import read_run
 
 
@@ -224,11 +224,6 @@ def test_loss_spike_detector():
     assert event == {"step": 6, "event": "loss_spike", "spike_loss": 12.0, "spike_median": 7.5}
     nan = detector.update(7, float("nan"))  # non-finite: an event, never in the window
     assert nan["event"] == "loss_spike" and list(detector.losses) == [7.0, 6.0, 10.0, 12.0]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from tests.pretrain_fixtures import (
     REPO,
     cli,
     env,
-    make_corpus,
     metrics,
     signal_during_start_up,
     train_losses,
@@ -44,11 +43,6 @@ MODEL = [
     "--run.log_interval=1", "--diagnostics.interval=10", "--logging.wandb_mode=disabled",
 ]
 DETERMINISTIC = "--run.deterministic=true"
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _args(data: dict, run: Path, *extra: str) -> list[str]:

@@ -17,7 +17,6 @@ from tests.pretrain_fixtures import (
     REPO,
     cli,
     env,
-    make_corpus,
     metrics,
     train_args,
     train_losses,
@@ -26,11 +25,6 @@ from tests.pretrain_fixtures import (
 from tests.wandb_reader import read_run
 
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,12 @@ from tests.pretrain_fixtures import (
     REPO,
     cli,
     env,
-    make_corpus,
     metrics,
     popen,
     signal_during_start_up,
     train_args,
     wait_for,
 )
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")

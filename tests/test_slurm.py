@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain_fixtures import REPO, env, make_corpus, train_args, train_losses
+from tests.pretrain_fixtures import REPO, env, train_args, train_losses
 from tests.slurm_cluster import start_cluster
 
 # Enough steps (20-100 ms each) that a warning sent after step 1 lands well before the end.
@@ -28,11 +28,6 @@ def cluster():
     started = start_cluster()
     yield started
     started.stop()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _job_env(cluster, nproc: int = 1) -> dict:
