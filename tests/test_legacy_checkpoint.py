@@ -1,0 +1,67 @@
+"""Checkpoints written before the model code was restructured still load and compute the same.
+
+``tests/fixtures/legacy`` holds tiny run checkpoints (siamese with LayerNorm, and
+siamese_hybrid with HybridNorm*'s Pre-Norm block 0) written by the code of that time through
+the real save path, with the logits that code computed on fixed tokens. Today's code must
+accept them (identity check), load every tensor strictly (model, optimizer, scheduler) and
+compute those logits again, with each norm backend it can run here.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.builder import build_model, wrap_ddp
+from pretrain import checkpoint
+from pretrain.config import Config
+from pretrain.identity import model_identity
+from pretrain.optim import build_optimizer
+from pretrain.start import weights_source
+from tests.fixtures.make_legacy_checkpoints import FIXTURES, TOKENS, config_for, logits
+
+NAMES = ["siamese", "siamese_hybrid_star"]
+
+
+def config_of(name: str) -> Config:
+    return config_for(json.loads((FIXTURES / name / "model.json").read_text()))
+
+
+def recorded_logits(name: str, device) -> torch.Tensor:
+    return torch.load(FIXTURES / name / "logits.pt").to(device)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_is_a_real_checkpoint(name):
+    found = checkpoint.find(FIXTURES / name)
+    assert found.name == "step_00000001"
+    record = checkpoint.read_record(found)
+    assert record["world_size"] == 1 and record["model"]["residual_scheme"] in name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_legacy_weights_compute_the_recorded_logits(name, single_rank, device):
+    config = config_of(name)
+    found = weights_source(str(FIXTURES / name), model_identity(config))
+    chunks = build_model(config.model, config.parallel)
+    before = logits(chunks, torch.tensor(TOKENS, device=device))
+    checkpoint.load_weights(Path(found), chunks)
+    after = logits(chunks, torch.tensor(TOKENS, device=device))
+    expected = recorded_logits(name, device)
+    assert not torch.allclose(before, expected, atol=1e-3)  # the load changed the model
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_legacy_checkpoint_resumes(name, single_rank, device):
+    config = config_of(name)
+    found = checkpoint.find(FIXTURES / name)
+    chunks = wrap_ddp(build_model(config.model, config.parallel), config.parallel)
+    optimizer, scheduler = build_optimizer(config, chunks, torch.float32)
+    checkpoint.load(found, checkpoint.read_record(found), chunks, optimizer, scheduler)
+    assert scheduler.num_steps == 1
+    state = list(optimizer.optimizer.state.values())
+    assert state and all(s["exp_avg_sq"].abs().sum() > 0 for s in state)
+    torch.testing.assert_close(logits(chunks, torch.tensor(TOKENS, device=device)),
+                               recorded_logits(name, device), rtol=1e-5, atol=1e-5)
