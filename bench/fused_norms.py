@@ -52,17 +52,40 @@ OPS = [
 ]
 
 
-def op_call(op: Op, scale: float = 3.0) -> Callable:
-    """``call(tensors, norms) -> outputs`` of ``op`` through the dispatch point."""
-    from kernels import dispatch
+def op_module(op: Op, backend, config, hidden: int):
+    """The module computing ``op`` as the model builds it with ``backend`` (None for the
+    packed update, which has no norm)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from model.layers.merge import StreamMergeNorm
+    from model.layers.two_stream import SublayerNorms
+    from model.spec import plain_norm
+
+    norm = plain_norm(backend)
+
+    def build_norm():
+        return build_module(norm, config=config, hidden_size=hidden, eps=1e-5)
+
+    if op is OPS[0]:
+        return build_norm().cuda()
+    if op in (OPS[1], OPS[2]):
+        return SublayerNorms(build_norm, backend).cuda()
+    if op is OPS[4]:
+        return StreamMergeNorm(config, hidden, 1e-5, norm=norm, backend=backend).cuda()
+    return None
+
+
+def op_call(op: Op, backend, scale: float = 3.0) -> Callable:
+    """``call(tensors, module) -> outputs`` of ``op``, as the model calls it."""
     from model import streams
+    from model.layers.two_stream import packed_update
 
     return {
-        OPS[0].name: lambda t, n: [n[0](t[0])],
-        OPS[1].name: lambda t, n: list(dispatch.siamese_entry(*streams.unpack(t[0]), *n)),
-        OPS[2].name: lambda t, n: list(dispatch.siamese_update_entry(*t, scale, *n)),
-        OPS[3].name: lambda t, n: [dispatch.dual_update(*t, scale, streams)],
-        OPS[4].name: lambda t, n: [dispatch.stream_merge(*streams.unpack(t[0]), *n)],
+        OPS[0].name: lambda t, m: [m(t[0])],
+        OPS[1].name: lambda t, m: list(m.entry(*streams.unpack(t[0]))),
+        OPS[2].name: lambda t, m: list(m.update_entry(*t, scale)),
+        OPS[3].name: lambda t, m: [packed_update(*t, scale, backend)],
+        OPS[4].name: lambda t, m: [m(t[0])],
     }[op.name]
 
 
@@ -99,72 +122,60 @@ def copy_bandwidth(iters: int) -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def passes(call: Callable, tensors: list[torch.Tensor], norms: list) -> dict[str, Callable]:
+def passes(call: Callable, tensors: list[torch.Tensor], module) -> dict[str, Callable]:
     """The forward alone, and forward+backward (gradients returned, not accumulated)."""
-    params = [p for n in norms for p in n.parameters()]
+    params = list(module.parameters()) if module is not None else []
 
     def fwd_bwd():
-        outs = call(tensors, norms)
+        outs = call(tensors, module)
         grads = [torch.ones_like(o) for o in outs]
         return torch.autograd.grad(outs, tensors + params, grads)
 
     def fwd():
         with torch.no_grad():
-            return call(tensors, norms)
+            return call(tensors, module)
 
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
-def implementations(kind: str, hidden: int, te_available: bool) -> dict[str, tuple]:
-    """name -> (dispatch backend, norm builder, compiled?)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def implementations(te_available: bool) -> dict[str, tuple]:
+    """name -> (norm backend the op's module is built with, torch.compile'd?)."""
+    from kernels.backend import NormBackend
 
-    from kernels.norms import Norm
-
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
-                               normalization="RMSNorm" if kind == "rmsnorm" else "LayerNorm",
-                               params_dtype=torch.bfloat16)
-
-    def ours():
-        return Norm(config, hidden, eps=1e-5).cuda()
-
-    impls = {"triton (fused)": ("triton", ours, False), "torch eager": ("torch", ours, False),
-             "torch.compile": ("torch", ours, True)}
-    if te_available:
-        import transformer_engine.pytorch as te
-
-        te_class = te.RMSNorm if kind == "rmsnorm" else te.LayerNorm
-
-        def te_norm():
-            return te_class(hidden, eps=1e-5, params_dtype=torch.bfloat16).cuda()
-
-        impls["TE norms, separate"] = ("torch", te_norm, False)
+    impls = {"triton (fused)": (NormBackend.TRITON, False),
+             "torch eager": (NormBackend.TORCH, False),
+             "torch.compile": (NormBackend.TORCH, True)}
+    if te_available:  # TE's norms, composed: TE has no two-stream fusion
+        impls["TE norms, separate"] = (NormBackend.TE, False)
     return impls
 
 
 def measure(args) -> tuple[list[dict], float]:
-    from kernels import dispatch
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    te_available = dispatch.unavailable_reason(dispatch.NormBackend.TE) is None
+    from kernels.backend import NormBackend, unavailable_reason
+
+    te_available = unavailable_reason(NormBackend.TE) is None
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
+                               normalization="RMSNorm" if args.norm == "rmsnorm" else "LayerNorm",
+                               params_dtype=torch.bfloat16)
     tokens = SEQ * args.batch
     copy_gbs = copy_bandwidth(args.iters)
     results = []
     for op in OPS:
-        for impl, (backend, build_norm, compiled) in implementations(
-                args.norm, args.hidden, te_available).items():
+        for impl, (backend, compiled) in implementations(te_available).items():
             if op.norms == 0 and impl.startswith("TE"):
                 continue  # no norm in this op: TE has nothing to run
-            norms = [build_norm() for _ in range(op.norms)]
+            module = op_module(op, backend, config, args.hidden)
             tensors = op_inputs(op, tokens, args.hidden, torch.bfloat16)
-            call = op_call(op)
+            call = op_call(op, backend)
             if compiled:
                 call = torch.compile(call)
-            for pass_name, fn in passes(call, tensors, norms).items():
+            for pass_name, fn in passes(call, tensors, module).items():
                 row = {"op": op.name, "impl": impl, "pass": pass_name, "ms": None,
                        "bytes": op.tensors_moved(pass_name != "fwd") * tokens * args.hidden * 2}
                 try:
-                    with dispatch.forced_backend(backend):
-                        row["ms"] = time_ms(fn, args.iters)
+                    row["ms"] = time_ms(fn, args.iters)
                 except Exception as err:  # e.g. torch.compile unavailable: report, go on
                     row["error"] = type(err).__name__
                 results.append(row)

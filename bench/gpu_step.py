@@ -53,10 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--transformer-impl", default="auto")
+    p.add_argument("--norm-backend", default="auto", help="kernels.norm_backend")
     p.add_argument("--no-optimizer", action="store_true",
                    help="time forward+backward only (no optimizer state, no AdamW step)")
     p.add_argument("--deterministic", action="store_true",
-                   help="bit-reproducible kernels, as run.deterministic (model.device)")
+                   help="bit-reproducible kernels, as run.deterministic (runtime.device)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -85,7 +86,7 @@ def build(args, scheme: str):
                     data=DataConfig(micro_batch_size=args.micro_batch,
                                     global_batch_size=args.micro_batch))
     torch.manual_seed(0)
-    chunks = build_model(model_cfg, config.parallel, torch.bfloat16)
+    chunks = build_model(model_cfg, config.parallel, torch.bfloat16, args.norm_backend)
     chunks = wrap_ddp([Float16Module(c.config, c) for c in chunks], config.parallel)
     optimizer = None
     if not args.no_optimizer:
@@ -96,13 +97,13 @@ def build(args, scheme: str):
 def measure(args, scheme: str) -> dict:
     """Time ``args.steps`` steps after ``args.warmup`` (the first step allocates the optimizer
     state, so the memory baseline is only right after it)."""
-    from kernels import dispatch
-    from model import device, parallel
+    from kernels.backend import resolve
     from model.backends import resolve_attention_backend, resolve_transformer_impl
     from model.builder import count_parameters
     from model.config import ParallelConfig
-    from model.schedule import forward_backward
     from pretrain.throughput import Throughput
+    from runtime import device, parallel
+    from runtime.schedule import forward_backward
 
     if args.deterministic:
         device.make_deterministic()
@@ -141,7 +142,7 @@ def measure(args, scheme: str) -> dict:
         "device": device.device_name(),
         "attention": str(resolve_attention_backend(config.model.attention_backend)),
         "linears": str(resolve_transformer_impl(config.model.transformer_impl)),
-        "norms": str(dispatch.active_backend()),
+        "norms": str(resolve(args.norm_backend)),
     }
 
 

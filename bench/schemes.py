@@ -16,10 +16,10 @@ import time
 import torch
 
 from bench.common import markdown_table
-from model import parallel
 from model.builder import build_model, count_parameters
 from model.config import ModelConfig, ParallelConfig
 from model.schemes import ResidualScheme
+from runtime import cpu_compat, parallel
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,6 +37,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    with cpu_compat.enabled():
+        measure(args)
+
+
+def measure(args) -> None:
     parallel.initialize(ParallelConfig())
     shape = dict(num_layers=args.layers, hidden_size=args.hidden,
                  num_attention_heads=args.heads, vocab_size=args.vocab, seq_length=args.seq)

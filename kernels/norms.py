@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kernels import dispatch
+from kernels import reference
+from kernels.backend import NormBackend
 
 
 def mark_sequence_parallel(param: torch.nn.Parameter, config: TransformerConfig) -> None:
@@ -23,30 +24,40 @@ def mark_sequence_parallel(param: torch.nn.Parameter, config: TransformerConfig)
 class Norm(torch.nn.Module):
     """RMSNorm or LayerNorm over the last dimension, chosen by ``config.normalization``.
 
-    Follows megatron's norm builder signature ``(config=, hidden_size=, eps=)``. Weights start
-    at 1 (and LayerNorm biases at 0), as every norm in SiameseNorm must.
+    Follows megatron's norm builder signature ``(config=, hidden_size=, eps=)``; the spec adds
+    ``backend`` (torch or triton, already resolved), and the function computing the norm is
+    bound here, once. Weights start at 1 (and LayerNorm biases at 0), as every norm in
+    SiameseNorm must.
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
+                 backend: NormBackend = NormBackend.TORCH):
         super().__init__()
         if config.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(
                 f"model.normalization ({config.normalization}) must be RMSNorm or LayerNorm"
             )
+        if backend not in (NormBackend.TORCH, NormBackend.TRITON):
+            raise ValueError(f"Norm computes with torch or triton, not {backend}")
         self.is_rms = config.normalization == "RMSNorm"
         self.eps = eps
+        self.backend = backend
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.bias = None
         if not self.is_rms:
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         for param in self.parameters():
             mark_sequence_parallel(param, config)
+        if backend is NormBackend.TRITON:
+            from kernels import triton_ops  # compiled, or interpreted, as decided at its import
+
+            self._norm = triton_ops.norm
+        else:
+            self._norm = reference.norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_rms:
-            return dispatch.rms_norm_fn()(x, self.weight, self.eps)
-        return dispatch.layer_norm_fn()(x, self.weight, self.bias, self.eps)
+        return self._norm(x, self.weight, self.bias, self.eps, self.is_rms)
 
     def extra_repr(self) -> str:
         kind = "RMSNorm" if self.is_rms else "LayerNorm"
-        return f"{kind}({self.weight.numel()}, eps={self.eps})"
+        return f"{kind}({self.weight.numel()}, eps={self.eps}, backend={self.backend})"

@@ -1,9 +1,11 @@
 """Autograd functions over the Triton kernels: shapes, launches and weight-gradient sums.
 
-The functions take the norms' own parameters (the ``nn.Parameter`` objects of the ``Norm``
-modules), so gradients land on the same tensors whichever backend ran, and megatron's
-sequence-parallel all-reduce of norm weights still applies. Activations may be strided views
-(the halves of a packed [s, b, 2h] tensor) as long as each row is contiguous.
+Tensors in, tensors out. The functions take the norms' own parameters (the ``nn.Parameter``
+objects of the ``Norm`` modules), so gradients land on the same tensors whichever backend ran,
+and megatron's sequence-parallel all-reduce of norm weights still applies. Activations may be
+strided views (the halves of a packed [s, b, 2h] tensor) as long as each row is contiguous;
+where a result goes into such halves, the caller gives the output tensor and the function that
+finds its halves, so no kernel knows how streams are packed.
 """
 
 from __future__ import annotations
@@ -144,16 +146,12 @@ class EntryFunction(torch.autograd.Function):
 
 
 class DualUpdateFunction(torch.autograd.Function):
-    """pack(u + r / scale, y + r), written in place into a fresh packed tensor.
-
-    ``unpack`` (the streams' own helper) finds the two halves of the packed tensor, so the
-    layout stays defined in one place; the packed width is twice the stream's.
-    """
+    """out with halves(out) = (u + r / scale, y + r): the two results written in place into
+    the given (fresh, grad-less) tensor ``out``, whose two views ``halves`` returns."""
 
     @staticmethod
-    def forward(ctx, u, y, r, scale: float, unpack: Callable):
-        out = u.new_empty((*u.shape[:-1], 2 * u.shape[-1]))
-        ox, oy = (half.view(-1, u.shape[-1]) for half in unpack(out))  # views: written in place
+    def forward(ctx, u, y, r, scale: float, out: torch.Tensor, halves: Callable):
+        ox, oy = (half.view(-1, u.shape[-1]) for half in halves(out))  # written in place
         if ox.stride(0) != oy.stride(0) or ox.stride(-1) != 1 or oy.stride(-1) != 1:
             raise ValueError("the packed halves must be row-contiguous with one row stride")
         ur, yr, rr = _rows(u), _rows(y), _rows(r)
@@ -162,10 +160,23 @@ class DualUpdateFunction(torch.autograd.Function):
             kern.dual_update_fwd[(n_rows,)](
                 ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
                 n_cols, float(scale), **_launch_args(n_cols))
-        ctx.scale, ctx.unpack = float(scale), unpack
+        ctx.scale, ctx.halves = float(scale), halves
+        ctx.mark_dirty(out)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        gx, gy = ctx.unpack(grad)
-        return gx, gy, gx / ctx.scale + gy, None, None
+        gx, gy = ctx.halves(grad)
+        return gx, gy, gx / ctx.scale + gy, None, None, None
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+         is_rms: bool) -> torch.Tensor:
+    """RMSNorm (``is_rms``, no bias) or LayerNorm of the last dimension."""
+    return NormFunction.apply(x, weight, None if is_rms else bias, eps, is_rms)
+
+
+def dual_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float,
+                out: torch.Tensor, halves: Callable) -> torch.Tensor:
+    """``out`` with its halves set to (u + r / scale, y + r); see :class:`DualUpdateFunction`."""
+    return DualUpdateFunction.apply(u, y, r, scale, out, halves)

@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from model.config import ConfigError
 from pretrain.__main__ import _parser
+from runtime.errors import UserError
 
 
 def last_step(checkpoints: Path) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     try:
         args, overrides = _parser().parse_known_args(argv)
         config = load_config(args.config, overrides)
-    except ConfigError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     step = last_step(Path(config.run.dir) / "checkpoints")

@@ -4,19 +4,20 @@ megatron normalises Q and K per head (``q_layernorm``/``k_layernorm``) but not V
 subclass adds the V norm with the same builder. The head norms have head_dim-sized weights
 shared by every head, and each TP rank holds different heads, so their gradients are partial
 per rank: megatron sums Q/K's by name when ``qk_layernorm`` is set; V's carry
-``tp_partial_grad`` and :func:`model.grads.finalize_grads` sums them.
+``tp_partial_grad`` and :func:`runtime.grads.finalize_grads` sums them.
 """
 
 from __future__ import annotations
 
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import build_module
 
 
 class QKVNormSelfAttention(SelfAttention):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.v_layernorm = submodules.q_layernorm(
-            config=self.config,
+        self.v_layernorm = build_module(
+            submodules.q_layernorm, config=self.config,
             hidden_size=self.hidden_size_per_attention_head,
             eps=self.config.layernorm_epsilon,
         )

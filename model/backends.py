@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from enum import StrEnum
 
-from model import device
+from runtime import device
 
 
 class AttentionBackend(StrEnum):

@@ -1,8 +1,9 @@
 """Build a model for any residual scheme and parallel layout, and count its parameters.
 
-Usage (after :func:`model.parallel.initialize`)::
+Usage (after :func:`runtime.parallel.initialize`)::
 
-    chunks = build_model(ModelConfig(residual_scheme="siamese"), ParallelConfig(tp=2))
+    chunks = build_model(ModelConfig(residual_scheme="siamese"), ParallelConfig(tp=2),
+                         norm_backend="triton")
     chunks = wrap_ddp(chunks, parallel)           # for training
     n = count_parameters(chunks)                  # this rank's share
 
@@ -16,16 +17,21 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 
-from model import device
+from kernels.backend import NormBackend, resolve
 from model.config import ModelConfig, ParallelConfig
-from model.grads import finalize_grads
 from model.megatron_config import transformer_config
 from model.spec import block_spec
+from runtime import device
+from runtime.grads import finalize_grads
 
 
 def build_model(
-    model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32
+    model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
+    norm_backend: NormBackend | str = NormBackend.AUTO,
 ) -> list[GPTModel]:
+    """The chunks of ``model`` this rank holds. ``norm_backend`` (``kernels.norm_backend``) is
+    resolved here, once, and every norm of the model computes with it."""
+    backend = resolve(norm_backend)
     config = transformer_config(model, parallel, params_dtype)
     config.finalize_model_grads_func = finalize_grads
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -34,7 +40,7 @@ def build_model(
         vp_stage = stage if parallel.vp is not None else None
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(model, config, vp_stage, pp_rank),
+            transformer_layer_spec=block_spec(model, config, vp_stage, pp_rank, backend),
             vocab_size=model.padded_vocab_size,
             max_sequence_length=model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(

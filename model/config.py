@@ -10,15 +10,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass
 from enum import StrEnum
 
 from model.backends import AttentionBackend, TransformerImpl, te_unavailable_reason
-from model.schemes import Activation, Normalization, PositionEmbedding, Recompute, ResidualScheme
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; the message is one line naming the field."""
+from model.schemes import (
+    SCHEME_FIELDS,
+    Activation,
+    Normalization,
+    PositionEmbedding,
+    Recompute,
+    ResidualScheme,
+    schemes_reading,
+)
+from runtime.errors import ConfigError
 
 
 def require(ok: bool, message: str) -> None:
@@ -27,11 +33,14 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _coerce_enums(section: str, obj) -> None:
-    """Turn strings into the StrEnum a field is declared with, naming the field on failure."""
+def coerce_choices(section: str, obj) -> None:
+    """Turn the strings given for choice fields (declared as a StrEnum) into their enum,
+    naming the field and the choices on failure. Every config dataclass calls it from
+    ``__post_init__``, so a config built in Python is checked like one read from TOML."""
+    hints = typing.get_type_hints(type(obj))
     for field in dataclasses.fields(obj):
-        enum_type = _ENUM_FIELDS.get(field.name)
-        if enum_type is None:
+        enum_type = hints[field.name]
+        if not (isinstance(enum_type, type) and issubclass(enum_type, StrEnum)):
             continue
         value = getattr(obj, field.name)
         try:
@@ -41,17 +50,6 @@ def _coerce_enums(section: str, obj) -> None:
             raise ConfigError(
                 f"{section}.{field.name} ({value!r}) must be one of: {choices}"
             ) from None
-
-
-_ENUM_FIELDS: dict[str, type[StrEnum]] = {
-    "residual_scheme": ResidualScheme,
-    "normalization": Normalization,
-    "activation": Activation,
-    "position_embedding": PositionEmbedding,
-    "recompute": Recompute,
-    "attention_backend": AttentionBackend,
-    "transformer_impl": TransformerImpl,
-}
 
 
 @dataclass
@@ -103,7 +101,7 @@ class ModelConfig:
     """siamese and siamese_hybrid: false sets c_l = 1 (the paper's ablation)."""
 
     def __post_init__(self) -> None:
-        _coerce_enums("model", self)
+        coerce_choices("model", self)
 
     @property
     def kv_heads(self) -> int:
@@ -117,7 +115,7 @@ class ModelConfig:
     def blocks_differ(self) -> bool:
         """Whether some blocks hold other parameters than the rest (Mix-LN's split, HybridNorm*'s
         block 0), so checkpoints key each block by its global index instead of stacking them."""
-        return self.residual_scheme is ResidualScheme.MIXLN or self.hybrid_prenorm_first_block
+        return self.residual_scheme.traits.blocks_differ(self)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -159,20 +157,12 @@ class ModelConfig:
         require(isinstance(ratio, int | float) and not isinstance(ratio, bool)
                  and 0.0 <= ratio <= 1.0, f"model.mixln_post_ratio ({ratio!r}) must be in [0, 1]")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for name, schemes in _SCHEME_FIELDS.items():
+        # A field that shapes only some schemes must stay at its default under the others.
+        for name in sorted(SCHEME_FIELDS - set(self.residual_scheme.traits.fields)):
             value = getattr(self, name)
-            require(value == defaults[name] or self.residual_scheme in schemes,
+            require(value == defaults[name],
                      f"model.{name} ({json.dumps(value)}) requires model.residual_scheme "
-                     f"{' or '.join(schemes)} (got {self.residual_scheme})")
-
-
-_SCHEME_FIELDS: dict[str, tuple[ResidualScheme, ...]] = {
-    # A field that shapes only some schemes must stay at its default under the others.
-    "hybrid_prenorm_first_block": (ResidualScheme.HYBRIDNORM, ResidualScheme.SIAMESE_HYBRID),
-    "mixln_post_ratio": (ResidualScheme.MIXLN,),
-    "siamese_input_norm": (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID),
-    "siamese_depth_constant": (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID),
-}
+                     f"{' or '.join(schemes_reading(name))} (got {self.residual_scheme})")
 
 
 @dataclass
@@ -193,7 +183,7 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron DistributedOptimizer)."""
 
     def __post_init__(self) -> None:
-        _coerce_enums("parallel", self)
+        coerce_choices("parallel", self)
 
     @property
     def model_chunks(self) -> int:

@@ -36,6 +36,7 @@ def transformer_config(
     bf16 = params_dtype == torch.bfloat16
     swiglu = model.activation is Activation.SWIGLU
     recompute = parallel.recompute
+    traits = model.residual_scheme.traits
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -51,9 +52,9 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
-        output_layer_init_method=None if model.residual_scheme.depth_scaled_output_init
+        output_layer_init_method=None if traits.depth_scaled_output_init
         else init_method_normal(model.init_method_std),
-        qk_layernorm=model.residual_scheme.qkv_norm,
+        qk_layernorm=traits.qkv_norm,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vp,
@@ -68,7 +69,7 @@ def transformer_config(
         autocast_dtype=params_dtype,
         use_cpu_initialization=True,
         hetereogenous_dist_checkpoint=model.blocks_differ,
-        variable_seq_lengths=model.residual_scheme.two_stream and parallel.pp > 1,
+        variable_seq_lengths=traits.two_stream and parallel.pp > 1,
         batch_p2p_comm=parallel.vp is None,
         # Dense models have no experts; megatron rejects variable_seq_lengths with the default
         # (allgather) MoE dispatcher even so.

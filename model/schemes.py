@@ -1,39 +1,97 @@
-"""The residual schemes this framework trains, selectable by ``model.residual_scheme``."""
+"""The residual schemes this framework trains (``model.residual_scheme``) and the model's other
+choice fields.
+
+A scheme is one member of :class:`ResidualScheme`, carrying its :class:`Traits` (everything the
+config checks, the megatron config, the spec and the dry run need to know about it), plus one
+file, ``model/layers/<value>.py``, whose ``layer(model, index)`` says which layer class builds
+each block. Nothing else in the code lists schemes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
+
+
+class FinalNorm(StrEnum):
+    """What closes the decoder before the output layer."""
+
+    NORM = "norm"  # one plain norm (blocks end un-normalised)
+    NONE = "none"  # nothing: every block already ends in a norm (the Post-Norm family)
+    MERGE = "merge"  # SiameseNorm's merge of the two streams, Nfinal(Na(x) + Nb(y))
+
+
+def _never(_model: ModelConfig) -> bool:
+    return False
+
+
+def _always(_model: ModelConfig) -> bool:
+    return True
+
+
+def _with_prenorm_first_block(model: ModelConfig) -> bool:
+    return model.hybrid_prenorm_first_block
+
+
+@dataclass(frozen=True)
+class Traits:
+    two_stream: bool = False
+    """Activations between blocks carry both streams, packed as [s, b, 2h] (model.streams)."""
+    qkv_norm: bool = False
+    """Attention normalises Q, K and V per head after the projection."""
+    final: FinalNorm = FinalNorm.NORM
+    depth_scaled_output_init: bool = True
+    """Output projections start at std / sqrt(2 num_layers) (megatron's rule)."""
+    fields: tuple[str, ...] = ()
+    """Model fields only this scheme reads; under other schemes they must keep their default."""
+    blocks_differ: Callable[[ModelConfig], bool] = _never
+    """Whether some blocks hold other parameters than the rest, so checkpoints key each block
+    by its global index instead of stacking them."""
+
+
+_SIAMESE_FIELDS = ("siamese_input_norm", "siamese_depth_constant")
 
 
 class ResidualScheme(StrEnum):
-    PRE = "pre"  # h <- h + F(N(h)); final norm
-    POST = "post"  # h <- N(h + F(h)); no final norm
-    SIAMESE = "siamese"  # SiameseNorm post_pre: Post-Norm-like x and Pre-Norm-like y
-    SIAMESE_HYBRID = "siamese_hybrid"  # SiameseNorm hybrid_pre: x follows HybridNorm
-    DEEPNORM = "deepnorm"  # h <- N(alpha h + F(h)); branch weights initialised down by beta
-    HYBRIDNORM = "hybridnorm"  # QKV-norm attention, Post-Norm around the MLP; final norm
-    MIXLN = "mixln"  # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
+    traits: Traits
 
-    @property
-    def two_stream(self) -> bool:
-        """Whether activations between blocks carry both streams ([s, b, 2h])."""
-        return self in (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID)
+    def __new__(cls, value: str, traits: Traits):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.traits = traits
+        return member
 
-    @property
-    def qkv_norm(self) -> bool:
-        """Whether attention normalises Q, K and V per head after the projection."""
-        return self in (ResidualScheme.SIAMESE_HYBRID, ResidualScheme.HYBRIDNORM)
+    # h <- h + F(N(h)); final norm
+    PRE = "pre", Traits()
+    # h <- N(h + F(h)); no final norm
+    POST = "post", Traits(final=FinalNorm.NONE)
+    # SiameseNorm post_pre: Post-Norm-like x and Pre-Norm-like y
+    SIAMESE = "siamese", Traits(two_stream=True, final=FinalNorm.MERGE, fields=_SIAMESE_FIELDS)
+    # SiameseNorm hybrid_pre: x follows HybridNorm
+    SIAMESE_HYBRID = "siamese_hybrid", Traits(
+        two_stream=True, qkv_norm=True, final=FinalNorm.MERGE,
+        fields=(*_SIAMESE_FIELDS, "hybrid_prenorm_first_block"),
+        blocks_differ=_with_prenorm_first_block)
+    # h <- N(alpha h + F(h)); branch weights initialised down by beta (its own depth scaling)
+    DEEPNORM = "deepnorm", Traits(final=FinalNorm.NONE, depth_scaled_output_init=False)
+    # QKV-norm attention, Post-Norm around the MLP; final norm
+    HYBRIDNORM = "hybridnorm", Traits(qkv_norm=True, fields=("hybrid_prenorm_first_block",),
+                                      blocks_differ=_with_prenorm_first_block)
+    # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
+    MIXLN = "mixln", Traits(fields=("mixln_post_ratio",), blocks_differ=_always)
 
-    @property
-    def ends_normalized(self) -> bool:
-        """Whether every block ends in a norm (the Post-Norm family), so no final norm."""
-        return self in (ResidualScheme.POST, ResidualScheme.DEEPNORM)
 
-    @property
-    def depth_scaled_output_init(self) -> bool:
-        """Whether output projections start at std / sqrt(2 num_layers) (megatron's rule).
-        DeepNorm's beta is its own depth down-scaling, so it starts them at the plain std."""
-        return self is not ResidualScheme.DEEPNORM
+def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:
+    """The schemes that read a scheme-specific model field, by name."""
+    return tuple(sorted(s for s in ResidualScheme if field in s.traits.fields))
+
+
+SCHEME_FIELDS = frozenset(f for s in ResidualScheme for f in s.traits.fields)
 
 
 class Normalization(StrEnum):

@@ -1,13 +1,17 @@
 """Residual scheme -> megatron-core block spec: which layer class, which norms, which merge.
 
-Variants are chosen here, by spec, never by branches inside a forward pass. ``pre`` is
-megatron's stock TransformerLayer so single-stream Pre-Norm pays nothing for the framework.
-Each block's spec is chosen from its global index, so schemes whose blocks differ (Mix-LN's
-Post-Norm blocks, HybridNorm*'s Pre-Norm block 0) split the same way on every pipeline layout.
+Variants are chosen here, by spec, never by branches inside a forward pass: each scheme's file
+(``model/layers/<scheme>.py``) names the layer class of every block, and megatron's stock
+TransformerLayer serves every Pre-Norm block, so single-stream Pre-Norm pays nothing for the
+framework. Each block's spec is chosen from its global index, so schemes whose blocks differ
+(Mix-LN's Post-Norm blocks, HybridNorm*'s Pre-Norm block 0) split the same way on every
+pipeline layout. The norm backend, resolved once by the builder, reaches every norm here as a
+spec parameter.
 """
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -28,7 +32,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from kernels import dispatch
+from kernels.backend import NormBackend
 from kernels.norms import Norm
 from model.attention import QKVNormSelfAttention
 from model.backends import (
@@ -39,28 +43,21 @@ from model.backends import (
     te_module,
 )
 from model.config import ModelConfig
-from model.layers.base import SchemeLayerSubmodules
-from model.layers.deepnorm import DeepNormLayer
-from model.layers.hybridnorm import HybridNormLayer
+from model.layers.base import LayerChoice, SchemeLayerSubmodules
 from model.layers.merge import StreamMergeNorm
-from model.layers.mixln import is_post_norm_block
-from model.layers.post import PostNormLayer
-from model.layers.siamese import SiameseLayer
-from model.layers.siamese_hybrid import SiameseHybridLayer
-from model.schemes import ResidualScheme
+from model.schemes import FinalNorm
 from model.sdpa_attention import SDPAttention
 
 
-def plain_norm():
-    """The class of every norm in the spec: megatron's ``TENorm`` (Transformer Engine's RMSNorm
-    or LayerNorm, which tags its own weights for sequence parallelism) when the norm backend is
-    ``te``, else :class:`~kernels.norms.Norm`, whose math ``kernels.dispatch`` picks (torch or
-    Triton). Both take megatron's norm arguments and keep ``weight``/``bias`` names, so a
-    checkpoint does not depend on the choice. The fused two-stream ops run their reference
-    composition over TE modules (TE has no two-stream fusion)."""
-    if dispatch.active_backend() is dispatch.NormBackend.TE:
-        return te_module("TENorm")
-    return Norm
+def plain_norm(backend: NormBackend) -> ModuleSpec:
+    """How every norm in the spec is built: megatron's ``TENorm`` (Transformer Engine's RMSNorm
+    or LayerNorm, which tags its own weights for sequence parallelism) for the ``te`` backend,
+    else :class:`~kernels.norms.Norm` computing with ``backend`` (torch or triton). Both take
+    megatron's norm arguments and keep ``weight``/``bias`` names, so a checkpoint does not
+    depend on the choice."""
+    if backend is NormBackend.TE:
+        return ModuleSpec(module=te_module("TENorm"))
+    return ModuleSpec(module=Norm, params={"backend": backend})
 
 
 def linear_modules(model: ModelConfig) -> dict:
@@ -82,11 +79,12 @@ def core_attention(model: ModelConfig):
     return SDPAttention if backend is AttentionBackend.SDPA else DotProductAttention
 
 
-def attention_spec(model: ModelConfig, fuse_input_norm: bool = False) -> ModuleSpec:
+def attention_spec(model: ModelConfig, backend: NormBackend,
+                   fuse_input_norm: bool = False) -> ModuleSpec:
     """Self-attention (with per-head Q/K/V norms for QKV-norm schemes). ``fuse_input_norm``:
     the QKV projection applies the block's input norm itself (the layer's must be IdentityOp)."""
-    qkv_norm = model.residual_scheme.qkv_norm
-    head_norm = plain_norm() if qkv_norm else IdentityOp
+    qkv_norm = model.residual_scheme.traits.qkv_norm
+    head_norm = plain_norm(backend) if qkv_norm else IdentityOp
     linears = linear_modules(model)
     return ModuleSpec(
         module=QKVNormSelfAttention if qkv_norm else SelfAttention,
@@ -118,15 +116,16 @@ _FUSED_NORM_KEYS = {
 }
 
 
-def pre_norm_layer_spec(model: ModelConfig) -> ModuleSpec:
+def pre_norm_layer_spec(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
     """megatron's own Pre-Norm TransformerLayer. With TE linears its input and pre-MLP norms are
     fused into the QKV and fc1 projections (TE's LayerNormLinear), as in megatron's TE spec."""
     fused = linear_modules(model)["norm_column"] is not None
-    norm = IdentityOp if fused else plain_norm()
+    norm = IdentityOp if fused else plain_norm(backend)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=norm, self_attention=attention_spec(model, fuse_input_norm=fused),
+            input_layernorm=norm,
+            self_attention=attention_spec(model, backend, fuse_input_norm=fused),
             self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=norm,
             mlp=mlp_spec(model, fuse_input_norm=fused), mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map={} if fused else dict(_FUSED_NORM_KEYS),
@@ -134,60 +133,45 @@ def pre_norm_layer_spec(model: ModelConfig) -> ModuleSpec:
     )
 
 
-def is_pre_norm_block(model: ModelConfig, index: int) -> bool:
-    """Whether global block ``index`` is megatron's Pre-Norm layer: every ``pre`` block, Mix-LN's
-    blocks above its split, and HybridNorm*'s block 0 (with QKV-norm attention)."""
-    scheme = model.residual_scheme
-    if scheme is ResidualScheme.MIXLN:
-        return not is_post_norm_block(index, model.num_layers, model.mixln_post_ratio)
-    if scheme is ResidualScheme.HYBRIDNORM:
-        return model.hybrid_prenorm_first_block and index == 0
-    return scheme is ResidualScheme.PRE
+def scheme_layer(model: ModelConfig, index: int) -> LayerChoice:
+    """The layer class and parameters of global block ``index`` (0-based), from the scheme's
+    own file ``model/layers/<scheme>.py``; None for megatron's Pre-Norm layer."""
+    return importlib.import_module(f"model.layers.{model.residual_scheme.value}").layer(
+        model, index)
 
 
-def layer_spec(model: ModelConfig, index: int) -> ModuleSpec:
+def layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSpec:
     """The spec of global block ``index`` (0-based)."""
-    scheme = model.residual_scheme
-    if is_pre_norm_block(model, index):
-        return pre_norm_layer_spec(model)
-    attention, mlp = attention_spec(model), mlp_spec(model)
-    siamese = {"depth_constant": model.siamese_depth_constant}
-    layer_class, params = {
-        ResidualScheme.POST: (PostNormLayer, {}),
-        ResidualScheme.MIXLN: (PostNormLayer, {}),  # blocks below the split
-        ResidualScheme.DEEPNORM: (DeepNormLayer, {}),
-        ResidualScheme.HYBRIDNORM: (HybridNormLayer, {}),
-        ResidualScheme.SIAMESE: (SiameseLayer, siamese),
-        ResidualScheme.SIAMESE_HYBRID: (
-            SiameseHybridLayer,
-            {**siamese, "prenorm_first_block": model.hybrid_prenorm_first_block},
-        ),
-    }[scheme]
-    # The ablation without Nin: the input norms become identities (absent names are ignored).
-    dropped = {} if model.siamese_input_norm else dict.fromkeys(
-        ("attn_in_norm", "mlp_in_norm"), IdentityOp)
+    choice = scheme_layer(model, index)
+    if choice is None:
+        return pre_norm_layer_spec(model, backend)
+    layer_class, params = choice
     return ModuleSpec(
         module=layer_class,
-        params=params,
+        params={**params, "backend": backend},
         submodules=SchemeLayerSubmodules(
-            self_attention=attention, mlp=mlp, norm=plain_norm(), norm_overrides=dropped
+            self_attention=attention_spec(model, backend), mlp=mlp_spec(model),
+            norm=plain_norm(backend),
         ),
     )
 
 
-def final_norm(scheme: ResidualScheme):
-    """What closes the block: the stream merge, nothing when every block ends in a norm
-    (Post-Norm, DeepNorm), else a plain norm (Pre-Norm, HybridNorm, Mix-LN)."""
-    if scheme.two_stream:
-        return partial(StreamMergeNorm, norm=plain_norm())
-    return None if scheme.ends_normalized else plain_norm()
+def final_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec | None:
+    """What closes the decoder (the scheme's ``Traits.final``)."""
+    final = model.residual_scheme.traits.final
+    if final is FinalNorm.MERGE:
+        return ModuleSpec(module=StreamMergeNorm,
+                          params={"norm": plain_norm(backend), "backend": backend})
+    return None if final is FinalNorm.NONE else plain_norm(backend)
 
 
-def block_spec(model: ModelConfig, config, vp_stage: int | None, pp_rank: int):
-    """The blocks this pipeline stage (and virtual stage) builds, each from its global index."""
+def block_spec(model: ModelConfig, config, vp_stage: int | None, pp_rank: int,
+               backend: NormBackend) -> TransformerBlockSubmodules:
+    """The blocks this pipeline stage (and virtual stage) builds, each from its global index,
+    every norm computing with ``backend`` (resolved: torch, triton or te)."""
     layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(model, offset + i) for i in range(layers)],
-        layer_norm=final_norm(model.residual_scheme),
+        layer_specs=[layer_spec(model, offset + i, backend) for i in range(layers)],
+        layer_norm=final_norm(model, backend),
     )

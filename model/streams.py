@@ -17,9 +17,15 @@ def pack(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a packed [s, b, 2h] tensor into (x, y)."""
+    """Split a packed [s, b, 2h] tensor into (x, y): views, so writing them fills ``packed``."""
     x, y = packed.chunk(2, dim=-1)
     return x, y
+
+
+def empty(like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised packed tensor for streams shaped like ``like`` (a kernel fills it
+    through :func:`unpack`)."""
+    return like.new_empty((*like.shape[:-1], 2 * like.shape[-1]))
 
 
 def start(embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

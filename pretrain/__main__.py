@@ -19,8 +19,8 @@ import json  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from model.config import ConfigError  # noqa: E402
 from pretrain import console  # noqa: E402
+from runtime.errors import ConfigError, UserError  # noqa: E402
 
 OVERRIDES_HELP = """\
 Any config field can be set on the command line as --section.key=value (command line >
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if overrides and args.command not in ("train", "eval"):
             raise ConfigError(f"command line: unrecognized arguments: {' '.join(overrides)}")
         return _run(args, overrides, stop)
-    except ConfigError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -114,26 +114,27 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank
             print(dry_run(config))
         return 0
-    from model import parallel
     from pretrain.metrics import is_logging_rank, strict_json
     from pretrain.train import TrainingAborted
+    from runtime import cpu_compat, parallel
 
-    try:
-        if args.command == "train":
-            from pretrain.train import train
+    with cpu_compat.enabled():  # megatron's CUDA bookkeeping on a CPU machine, for this run
+        try:
+            if args.command == "train":
+                from pretrain.train import train
 
-            result = train(config, stop, config_path=path)
-        else:
-            from pretrain.evaluate import evaluate_checkpoint
+                result = train(config, stop, config_path=path)
+            else:
+                from pretrain.evaluate import evaluate_checkpoint
 
-            result = evaluate_checkpoint(config, args.checkpoint)
-        if is_logging_rank():  # the rank that holds the loss prints the result, once
-            print(strict_json(result))
-    except TrainingAborted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    finally:
-        parallel.destroy()  # NCCL wants its groups torn down before the process exits
+                result = evaluate_checkpoint(config, args.checkpoint)
+            if is_logging_rank():  # the rank that holds the loss prints the result, once
+                print(strict_json(result))
+        except TrainingAborted as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 3
+        finally:
+            parallel.destroy()  # NCCL wants its groups torn down before the process exits
     return 0
 
 

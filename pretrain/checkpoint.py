@@ -22,23 +22,18 @@ import logging
 import os
 import random
 import shutil
-import signal
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing import ShardedTensor
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from torch.distributed.checkpoint.api import CheckpointException
 
-from model import device
-from model.checkpoint import load_chunks, model_sharded_state_dict
-from model.config import ConfigError
-from model.parallel import any_rank
 from pretrain.identity import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
+from runtime import device, weights
+from runtime.errors import CheckpointError
+from runtime.parallel import any_rank
 
 log = logging.getLogger("pretrain")
 
@@ -46,14 +41,6 @@ COMPLETE = "complete.json"
 # The distributed optimizer's state in its per-parameter (canonical) form, so a checkpoint
 # reshards across TP/PP/DP; megatron 0.19 no longer writes its older flattened format.
 OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
-# torch.distributed.checkpoint wraps read errors in CheckpointException, a BaseException.
-LOAD_ERRORS = (Exception, CheckpointException)
-# Tests set this to a step number to SIGKILL the process in the middle of that step's save.
-FAULT_KILL_IN_SAVE = "PRETRAIN_FAULT_KILL_IN_SAVE"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be read, or a save that failed: one line, exit 2."""
 
 
 def _rank0() -> bool:
@@ -79,7 +66,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _sharded_state(chunks, optimizer, scheduler, step: int, loading: bool) -> dict:
-    state = model_sharded_state_dict(chunks)
+    state = weights.sharded_state(chunks)
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading,
                                                       metadata=OPTIMIZER_FORMAT)
     state["scheduler"] = scheduler.state_dict()
@@ -117,9 +104,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
                                     str(tmp))
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
-            if os.environ.get(FAULT_KILL_IN_SAVE) == str(step):
-                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die mid-save
-        except LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
+        except weights.LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
             failure = err
     if not any_rank(failure is not None) and _rank0():
         try:
@@ -131,7 +116,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        reason = _first_line(failure) if failure is not None else "failed on another rank"
+        reason = weights.first_line(failure) if failure is not None else "failed on another rank"
         raise CheckpointError(f"saving checkpoint step {step} to '{root}' failed ({reason}); "
                               f"{latest_text(root)}")
     if _rank0():
@@ -186,7 +171,7 @@ def read_record(directory: Path) -> dict:
         record = json.loads((directory / COMPLETE).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint '{directory}' is damaged: {COMPLETE} is not "
-                              f"readable JSON ({_first_line(err)})") from None
+                              f"readable JSON ({weights.first_line(err)})") from None
     if not isinstance(record, dict) or not all(isinstance(record.get(k), int)
                                                for k in ("step", "world_size")):
         raise CheckpointError(f"checkpoint '{directory}' is damaged: {COMPLETE} lacks its "
@@ -209,53 +194,11 @@ def position(record: dict, global_batch: int, seq_length: int) -> DataPosition:
     return DataPosition().advance(record["step"], global_batch, seq_length)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _load_error(directory: Path, err: BaseException) -> CheckpointError:
-    return CheckpointError(f"checkpoint '{directory}' could not be loaded: {_first_line(err)}")
-
-
-def _check_shapes(sharded: dict, directory: Path) -> None:
-    """Every model tensor has the checkpoint's global shape: megatron would otherwise load
-    the overlap of a larger or smaller tensor (a vocabulary change) without a word."""
-    saved = dist_checkpointing.load_tensors_metadata(str(directory))
-    for tensor in nested_values(sharded):
-        if isinstance(tensor, ShardedTensor) and tensor.key in saved:
-            want, have = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
-            if want != have:
-                raise CheckpointError(f"checkpoint '{directory}' holds another model: tensor "
-                                      f"{tensor.key} is {list(want)} there, {list(have)} here")
-
-
-def load_weights(directory: Path, chunks) -> None:
-    """Model weights only, from the checkpoint ``directory`` (see :func:`find`): evaluation
-    and starting a run from given weights."""
-    sharded = model_sharded_state_dict(chunks)
-    try:
-        _check_shapes(sharded, directory)
-        state = dist_checkpointing.load(sharded, str(directory))
-    except CheckpointError:
-        raise
-    except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
-        raise _load_error(directory, err) from None
-    load_chunks(chunks, state)
-
-
 def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
     """Restore everything saved by :func:`save` (``record``: its :func:`read_record`)."""
     prime_state(optimizer)
-    try:
-        sharded = _sharded_state(chunks, optimizer, scheduler, 0, loading=True)
-        _check_shapes(sharded, directory)
-        state = dist_checkpointing.load(sharded, str(directory))
-    except CheckpointError:
-        raise
-    except LOAD_ERRORS as err:  # megatron raises many types for a damaged checkpoint
-        raise _load_error(directory, err) from None
-    load_chunks(chunks, state)
+    state = weights.read(_sharded_state(chunks, optimizer, scheduler, 0, loading=True), directory)
+    weights.put(chunks, state)
     check_schedule(scheduler, state["scheduler"])
     load_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -2,7 +2,7 @@
 
 Precedence is command line > file > its ``base`` file(s) > defaults. ``--optim.lr=1e-3`` sets
 ``[optim] lr``. Unknown sections or keys, values of the wrong type and impossible combinations
-fail at load time with one :class:`~model.config.ConfigError` line naming the field, the rule
+fail at load time with one :class:`~runtime.errors.ConfigError` line naming the field, the rule
 and the value.
 """
 
@@ -15,12 +15,27 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from kernels.dispatch import NormBackend
-from model.config import ConfigError, ModelConfig, ParallelConfig, require, validate_layout
+from kernels.backend import NormBackend
+from model.config import ModelConfig, ParallelConfig, coerce_choices, require, validate_layout
 from pretrain.paths import require_creatable, require_file
+from runtime.errors import ConfigError
+
+
+class ParamsDtype(StrEnum):
+    AUTO = "auto"  # bf16 on a GPU, fp32 on the CPU
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class WandbMode(StrEnum):
+    AUTO = "auto"  # online with credentials, else offline
+    ONLINE = "online"
+    OFFLINE = "offline"
+    DISABLED = "disabled"
 
 
 @dataclass
@@ -97,18 +112,21 @@ class RunConfig:
     init_from: str = ""
     """Start a new run from the model weights of this checkpoint (fresh optimizer, step 0).
     Ignored when the run folder already holds a checkpoint to resume from."""
-    params_dtype: str = "auto"
+    params_dtype: ParamsDtype = ParamsDtype.AUTO
     """auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
     deterministic: bool = False
-    """Bit-reproducible GPU kernels (cuBLAS, NCCL, SDPA backward; see model.device), so the
+    """Bit-reproducible GPU kernels (cuBLAS, NCCL, SDPA backward; see runtime.device), so the
     same command, or a resume, gives identical losses on a GPU too. Costs some throughput."""
+
+    def __post_init__(self) -> None:
+        coerce_choices("run", self)
 
 
 @dataclass
 class LoggingConfig:
     """Weights & Biases; metrics always go to <run.dir>/metrics.jsonl as well."""
 
-    wandb_mode: str = "auto"
+    wandb_mode: WandbMode = WandbMode.AUTO
     """online | offline | disabled | auto (online with credentials, else offline)."""
     project: str = "siamesenorm"
     entity: str = ""
@@ -118,14 +136,21 @@ class LoggingConfig:
     """The accelerator's dense bf16 peak TFLOP/s for MFU (0: known from the device name; no
     MFU is reported for a device not in pretrain.throughput.PEAK_TFLOPS)."""
 
+    def __post_init__(self) -> None:
+        coerce_choices("logging", self)
+
 
 @dataclass
 class KernelsConfig:
-    """Which implementation computes the norms (``kernels/dispatch.py``), chosen once per run."""
+    """Which implementation computes the norms (``kernels/backend.py``), resolved once when the
+    model is built."""
 
-    norm_backend: str = "auto"
+    norm_backend: NormBackend = NormBackend.AUTO
     """auto | torch | triton | te. auto: the fused Triton kernels on a CUDA machine with Triton,
     else the torch reference."""
+
+    def __post_init__(self) -> None:
+        coerce_choices("kernels", self)
 
 
 @dataclass
@@ -376,20 +401,12 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
              f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
     require(r.eval_iters >= 0, f"run.eval_iters ({r.eval_iters}) must be >= 0")
     require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
-    require(r.params_dtype in ("auto", "fp32", "bf16"),
-             f"run.params_dtype ({r.params_dtype!r}) must be auto, fp32 or bf16")
-    backends = [b.value for b in NormBackend]
-    require(config.kernels.norm_backend in backends,
-             f"kernels.norm_backend ({config.kernels.norm_backend!r}) must be one of "
-             f"{', '.join(backends)}")
     dg = config.diagnostics
     require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
     require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
     require(dg.spike_window >= 1, f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
     require(math.isfinite(lg.peak_tflops) and lg.peak_tflops >= 0,
              f"logging.peak_tflops ({lg.peak_tflops}) must be >= 0 (0: from the device name)")
-    require(lg.wandb_mode in ("auto", "online", "offline", "disabled"),
-             f"logging.wandb_mode ({lg.wandb_mode!r}) must be auto, online, offline or disabled")
     if world_size is not None:
         model_parallel = config.parallel.tp * config.parallel.pp
         require(world_size % model_parallel == 0,

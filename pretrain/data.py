@@ -28,12 +28,12 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from model import device
-from model.config import ConfigError
 from pretrain.config import Config
 from pretrain.dry_run import human
 from pretrain.identity import START, DataPosition
 from pretrain.prepare import check_dataset
+from runtime import device
+from runtime.errors import ConfigError, DataError
 
 log = logging.getLogger("pretrain")
 
@@ -151,7 +151,7 @@ def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix
             continue
         first, last = (int(round(b * documents)) for b in bounds or (0.0, 0.0))
         if last <= first:
-            raise ConfigError(
+            raise DataError(
                 f"data.split ({split!r}) gives the {name} split of '{prefix}' no document "
                 f"({documents} documents in all); add documents or raise its share")
 

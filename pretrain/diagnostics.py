@@ -37,7 +37,8 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from model import device, streams
+from model import streams
+from runtime import device
 
 # Per-block columns of the statistics tensor (sums, reduced across ranks before use).
 _X_SQ, _Y_SQ, _COUNT, _X_GRAD, _Y_GRAD = range(5)
@@ -205,7 +206,7 @@ def build(config, chunks) -> StreamDiagnostics | None:
         return None
     return StreamDiagnostics(
         chunks, config.model.num_layers, d.interval,
-        two_stream=config.model.residual_scheme.two_stream,
+        two_stream=config.model.residual_scheme.traits.two_stream,
         sequence_parallel=config.parallel.sequence_parallel,
         spikes=LossSpikeDetector(d.spike_factor, d.spike_window))
 

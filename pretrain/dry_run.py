@@ -6,13 +6,14 @@ import os
 
 import torch
 
-from model import parallel
+from kernels.backend import NormBackend
 from model.builder import build_model, count_parameters
 from model.config import ModelConfig, ParallelConfig
-from model.schemes import Recompute, ResidualScheme
+from model.schemes import Recompute
 from pretrain.config import Config, validate
 from pretrain.rundir import to_toml
 from pretrain.throughput import flops_per_token
+from runtime import cpu_compat, parallel
 
 
 def human(n: float) -> str:
@@ -23,7 +24,6 @@ def human(n: float) -> str:
     return f"{n:.2f}P"
 
 
-_TWO_STREAM = (ResidualScheme.SIAMESE, ResidualScheme.SIAMESE_HYBRID)
 
 
 def _layer_elements(m: ModelConfig, tp: int, sequence_parallel: bool) -> float:
@@ -37,7 +37,7 @@ def _layer_elements(m: ModelConfig, tp: int, sequence_parallel: bool) -> float:
     h, f = m.hidden_size, m.ffn_size
     kv = m.kv_heads * (h // m.num_attention_heads)
     fc1 = 2 * f if m.activation == "swiglu" else f
-    per_token_norms = 2 * h + (8 * h if m.residual_scheme in _TWO_STREAM else 0)
+    per_token_norms = 2 * h + (8 * h if m.residual_scheme.traits.two_stream else 0)
     sharded = 2 * h + h + 2 * kv + h + fc1 + f
     return per_token_norms / (tp if sequence_parallel else 1) + sharded / tp
 
@@ -54,7 +54,7 @@ def activation_bytes(config: Config, dp: int) -> float:
     layers_per_stage = m.num_layers // p.pp
     in_flight = min(p.pp, max(1, d.global_batch_size // (d.micro_batch_size * dp)))
     if p.recompute is Recompute.FULL:
-        streams = 2 if m.residual_scheme in _TWO_STREAM else 1
+        streams = 2 if m.residual_scheme.traits.two_stream else 1
         kept = layers_per_stage * streams * m.hidden_size / (p.tp if p.sequence_parallel else 1)
         per_microbatch = kept + layer
     else:
@@ -63,15 +63,25 @@ def activation_bytes(config: Config, dp: int) -> float:
     return tokens * (in_flight * per_microbatch * width + (logits if p.pp == 1 else 0))
 
 
+def parameter_count(model: ModelConfig, seed: int) -> int:
+    """Parameters of the whole model, from a build on the meta device (shapes only: a 1.3B
+    model costs no memory) in a one-rank group opened and closed here."""
+    with cpu_compat.enabled():
+        parallel.initialize(ParallelConfig(), seed=seed)
+        try:
+            with torch.device("meta"):
+                return count_parameters(build_model(model, ParallelConfig(),
+                                                    norm_backend=NormBackend.TORCH))
+        finally:
+            parallel.destroy()
+
+
 def dry_run(config: Config, world_size: int | None = None) -> str:
     """World size: ``world_size``, else $WORLD_SIZE, else one data-parallel replica."""
     p, d, m = config.parallel, config.data, config.model
     world = world_size or int(os.environ.get("WORLD_SIZE", p.tp * p.pp))
     validate(config, world_size=world)
-    parallel.initialize(ParallelConfig(), seed=config.run.seed)
-    with torch.device("meta"):  # shapes only: a 1.3B model costs no memory here
-        params = count_parameters(build_model(m, ParallelConfig()))
-    parallel.destroy()
+    params = parameter_count(m, config.run.seed)
     dp = world // (p.tp * p.pp)
     tokens_per_step = d.global_batch_size * config.seq_length
     # Per GPU: bf16 weights (2 B) + fp32 grads (4 B) + fp32 main weights and Adam moments

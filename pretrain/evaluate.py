@@ -6,11 +6,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain import checkpoint, identity
+from pretrain import identity
 from pretrain.data import build_datasets
 from pretrain.metrics import strict_json
 from pretrain.start import weights_source
 from pretrain.train import evaluate, preflight, setup
+from runtime import weights
 
 
 def evaluate_checkpoint(config, path: str) -> dict:
@@ -19,7 +20,7 @@ def evaluate_checkpoint(config, path: str) -> dict:
     tokenizer = preflight(config, training=False)
     found = weights_source(path, identity.model_identity(config))
     chunks = setup(config)
-    checkpoint.load_weights(found, chunks)
+    weights.load(chunks, found)
     _, valid = build_datasets(config, tokenizer)
     result = {"checkpoint": str(found), **evaluate(config, chunks, valid)}
     if dist.get_rank() == 0 and Path(config.run.dir).is_dir():

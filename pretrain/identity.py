@@ -20,8 +20,8 @@ import logging
 import os
 from typing import Any, NamedTuple
 
-from model.config import ConfigError
 from pretrain.config import Config
+from runtime.errors import CheckpointError
 
 log = logging.getLogger("pretrain")
 
@@ -103,7 +103,7 @@ def check_model(saved: dict[str, Any] | None, current: dict[str, Any], checkpoin
     were recorded: their tensor shapes are still checked when they load."""
     differences = model_differences(saved, current) if saved else []
     if differences:
-        raise ConfigError(f"checkpoint '{checkpoint}' holds another model: "
+        raise CheckpointError(f"checkpoint '{checkpoint}' holds another model: "
                           f"{'; '.join(differences)}")
 
 
@@ -129,7 +129,7 @@ def check_data(saved: dict[str, Any] | None, current: dict[str, Any], allow_chan
     if not differences:
         return
     if not allow_change:
-        raise ConfigError(f"checkpoint '{checkpoint}' was trained on other data: "
+        raise CheckpointError(f"checkpoint '{checkpoint}' was trained on other data: "
                           f"{'; '.join(differences)}; resume with --run.allow_data_change=true "
                           "to continue on the new data from the checkpoint's position")
     log.warning("data changed on resume (run.allow_data_change): %s", "; ".join(differences))

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from model.config import ConfigError
-from model.parallel import any_rank
+from runtime.errors import ConfigError
+from runtime.parallel import any_rank
 
 LOCK_FILE = "run.lock"
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from megatron.core import parallel_state
 
-from model.config import ConfigError
 from pretrain.config import Config
+from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
 

@@ -6,8 +6,8 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from model.config import ConfigError
 from pretrain.config import Config
+from runtime.errors import ConfigError
 
 
 def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model.config import ConfigError
+from runtime.errors import ConfigError, UserError
 
 
-def require_file(path: str | Path, what: str) -> Path:
-    """``path`` is an existing regular file; ``what`` names it ("config file", "tokenizer")."""
+def require_file(path: str | Path, what: str,
+                 error: type[UserError] = ConfigError) -> Path:
+    """``path`` is an existing regular file; ``what`` names it ("config file", "tokenizer")
+    and ``error`` is the kind of input it is (a config file, a data file...)."""
     path = Path(path)
     if path.is_dir():
-        raise ConfigError(f"{what} '{path}' is a folder, not a file")
+        raise error(f"{what} '{path}' is a folder, not a file")
     if not path.is_file():
-        raise ConfigError(f"{what} '{path}' does not exist")
+        raise error(f"{what} '{path}' does not exist")
     return path
 
 

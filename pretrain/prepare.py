@@ -24,9 +24,9 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from model.config import ConfigError
 from pretrain.paths import require_creatable, require_file
 from pretrain.tokenizer import Tokenizer, iter_documents, require_data_file
+from runtime.errors import ConfigError, DataError
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
 # the few in flight (2 per worker) bound memory; the corpus is never held whole.
@@ -143,24 +143,24 @@ def _check_index(path: str) -> None:
     with open(path, "rb") as f:
         head = f.read(INDEX_HEADER.size)
     if len(head) < INDEX_HEADER.size or not head.startswith(INDEX_MAGIC):
-        raise ConfigError(f"data file '{path}' is not a Megatron index (bad header)")
+        raise DataError(f"data file '{path}' is not a Megatron index (bad header)")
     _, version, _, sequences, documents = INDEX_HEADER.unpack(head)
     expected = INDEX_HEADER.size + sequences * (4 + 8) + documents * 8
     size = os.path.getsize(path)
     if version != 1 or size != expected:
-        raise ConfigError(f"data file '{path}' is truncated or damaged: {size} bytes, its "
+        raise DataError(f"data file '{path}' is truncated or damaged: {size} bytes, its "
                           f"header describes {expected} (version {version})")
 
 
 def _open(prefix: str) -> IndexedDataset:
     for suffix in (".bin", ".idx"):
-        require_file(prefix + suffix, "data file")
+        require_file(prefix + suffix, "data file", DataError)
     _check_index(prefix + ".idx")
     try:
         return IndexedDataset(prefix)
     except Exception as err:  # megatron asserts (or fails to unpack) on malformed index files
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"data prefix '{prefix}' is not a readable Megatron indexed dataset "
+        raise DataError(f"data prefix '{prefix}' is not a readable Megatron indexed dataset "
                           f"({text})") from None
 
 
@@ -174,18 +174,18 @@ def check_dataset(prefix: str, vocab_size: int) -> int:
         if len(index) else 0
     size = os.path.getsize(prefix + ".bin")
     if size != count * dtype.itemsize:
-        raise ConfigError(f"data file '{prefix}.bin' has {size} bytes but '{prefix}.idx' "
+        raise DataError(f"data file '{prefix}.bin' has {size} bytes but '{prefix}.idx' "
                           f"describes {count * dtype.itemsize}")
     if count == 0:
-        raise ConfigError(f"data prefix '{prefix}' holds no tokens")
+        raise DataError(f"data prefix '{prefix}' holds no tokens")
     tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(count,))
     for start in range(0, count, SCAN_TOKENS):
         chunk = tokens[start:start + SCAN_TOKENS]
         highest = int(chunk.max())
         if highest >= vocab_size:
-            raise ConfigError(f"data prefix '{prefix}' has token id {highest} >= tokenizer "
+            raise DataError(f"data prefix '{prefix}' has token id {highest} >= tokenizer "
                               f"vocab_size {vocab_size}")
         lowest = int(chunk.min()) if dtype.kind == "i" else 0
         if lowest < 0:
-            raise ConfigError(f"data prefix '{prefix}' has negative token id {lowest}")
+            raise DataError(f"data prefix '{prefix}' has negative token id {lowest}")
     return len(index.document_indices) - 1

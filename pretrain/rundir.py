@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import device
-from model.config import ConfigError
 from pretrain.config import Config
+from runtime import device
+from runtime.errors import ConfigError
 
 
 def to_toml(config: Config) -> str:

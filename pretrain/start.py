@@ -12,10 +12,10 @@ import hashlib
 from pathlib import Path
 from typing import NamedTuple
 
-from model.config import ConfigError
 from pretrain import checkpoint, identity
 from pretrain.config import Config
 from pretrain.identity import START, DataPosition
+from runtime.errors import ConfigError
 
 
 class StartPoint(NamedTuple):

@@ -17,9 +17,9 @@ import re
 
 import torch.distributed as dist
 
-from model import device
 from model.config import Activation
 from pretrain.config import Config
+from runtime import device
 
 # Dense (no sparsity) bf16 peak TFLOP/s by device name, most specific pattern first. An
 # unlisted device gets no MFU (set logging.peak_tflops) rather than a wrong one.

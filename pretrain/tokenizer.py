@@ -25,8 +25,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from model.config import ConfigError
 from pretrain.paths import require_creatable, require_file
+from runtime.errors import ConfigError, DataError
 
 UNK, BOS, EOS, PAD = 0, 1, 2, 3
 NEWLINE_PIECES = ["\n"]
@@ -45,9 +45,9 @@ log = logging.getLogger(__name__)
 
 def require_data_file(path: str) -> Path:
     """Check an input early so a typo fails before minutes of work, naming the file."""
-    file = require_file(path, "data file")
+    file = require_file(path, "data file", DataError)
     if file.stat().st_size == 0:
-        raise ConfigError(f"data file '{path}' is empty")
+        raise DataError(f"data file '{path}' is empty")
     return file
 
 
@@ -59,7 +59,7 @@ def _lines(path: str, file: Path) -> Iterator[tuple[int, str]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise ConfigError(f"data file '{path}' line {number} is not UTF-8") from None
+                raise DataError(f"data file '{path}' line {number} is not UTF-8") from None
             yield number, line.removeprefix("\ufeff") if number == 1 else line
 
 
@@ -73,7 +73,7 @@ def _json_documents(path: str, file: Path) -> Iterator[str]:
             record = None
         text = record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ConfigError(f"data file '{path}' line {number} is not a JSON object with a "
+            raise DataError(f"data file '{path}' line {number} is not a JSON object with a "
                               "string \"text\" field")
         yield text
 
@@ -105,7 +105,7 @@ def iter_documents(path: str) -> Iterator[str]:
             count += 1
             yield document
     if count == 0:
-        raise ConfigError(f"data file '{path}' has no documents")
+        raise DataError(f"data file '{path}' has no documents")
 
 
 def _training_sentences(document: str) -> Iterator[str]:
@@ -163,7 +163,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
 
     def sentences() -> Iterator[str]:
         # sentencepiece turns an exception raised here into a bare RuntimeError; keep the
-        # original (e.g. a ConfigError naming a bad JSONL line) to re-raise it unchanged.
+        # original (e.g. a DataError naming a bad JSONL line) to re-raise it unchanged.
         try:
             for path in inputs:
                 for document in iter_documents(path):
@@ -192,7 +192,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     except RuntimeError as err:
         if failures:
             raise failures[0] from None
-        raise ConfigError(_training_error(err, inputs, vocab_size)) from None
+        raise DataError(_training_error(err, inputs, vocab_size)) from None
     finally:
         tmp_model.unlink(missing_ok=True)
         tmp_vocab.unlink(missing_ok=True)
@@ -210,14 +210,14 @@ class Tokenizer:
     the model's content hash, so moving the file keeps the cache and replacing it does not."""
 
     def __init__(self, model_file: str):
-        path = require_file(model_file, "tokenizer")
+        path = require_file(model_file, "tokenizer", DataError)
         try:
             proto = path.read_bytes()
             self.processor = spm.SentencePieceProcessor(model_proto=proto)
         except (OSError, RuntimeError):
-            raise ConfigError(f"tokenizer '{model_file}' is not a sentencepiece model") from None
+            raise DataError(f"tokenizer '{model_file}' is not a sentencepiece model") from None
         if self.processor.eos_id() < 0:
-            raise ConfigError(f"tokenizer '{model_file}' has no eos piece (the end-of-document "
+            raise DataError(f"tokenizer '{model_file}' has no eos piece (the end-of-document "
                               "token)")
         self.path = str(path)
         self.unique_identifiers = {"class": f"{type(self).__module__}.{type(self).__qualname__}",

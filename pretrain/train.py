@@ -22,11 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.module import Float16Module
 
-from kernels import dispatch
-from model import device, parallel
 from model.builder import build_model, count_parameters, wrap_ddp
-from model.config import ConfigError
-from model.schedule import forward_backward
 from pretrain import checkpoint, console, diagnostics
 from pretrain.config import Config, validate
 from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
@@ -41,6 +37,9 @@ from pretrain.start import StartPoint, check_start, sha256
 from pretrain.stop import StopRequest
 from pretrain.throughput import Throughput
 from pretrain.tokenizer import Tokenizer
+from runtime import device, parallel, weights
+from runtime.errors import CheckpointError, ConfigError
+from runtime.schedule import forward_backward
 
 log = logging.getLogger("pretrain")
 
@@ -151,12 +150,8 @@ def setup(config: Config) -> list:
     if config.run.deterministic:  # before NCCL and cuBLAS start
         device.make_deterministic()
     parallel.initialize(config.parallel, seed=config.run.seed)
-    try:  # before the model is built, so every norm uses the chosen kernels
-        dispatch.set_backend(config.kernels.norm_backend)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     dtype = params_dtype(config)
-    chunks = build_model(config.model, config.parallel, dtype)
+    chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend)
     if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     return wrap_ddp(chunks, config.parallel)
@@ -203,7 +198,7 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
     if begin.previous is not None:
         checkpoint.load(begin.previous, begin.record, chunks, optimizer, scheduler)
     elif begin.weights is not None:
-        checkpoint.load_weights(begin.weights, chunks)
+        weights.load(chunks, begin.weights)
     start = begin.position.step
     if parallel.any_rank(stop.requested):
         return _stopped_in_start_up(stop, start)
@@ -287,7 +282,7 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
             try:
                 save(step)
-            except (checkpoint.CheckpointError, TrainingAborted):
+            except (CheckpointError, TrainingAborted):
                 progress.close()
                 metrics.finish()
                 raise

@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from model import device as compute
-from model import parallel
 from model.config import ParallelConfig
+from runtime import cpu_compat, parallel
+from runtime import device as compute
 from tests.pretrain_fixtures import make_corpus
 
 
@@ -44,10 +44,18 @@ def exact_fp32_matmuls():
     torch.backends.cudnn.allow_tf32 = False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def megatron_on_cpu():
+    """The test session is an entry point: on a machine without CUDA it runs inside the CPU
+    compatibility layer, as `python -m pretrain` does (spawned ranks enter their own)."""
+    with cpu_compat.enabled():
+        yield
+
+
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     """The device in-process tests compute on: this process's GPU with CUDA, else the CPU
-    (model.device decides, as in training). Models built by megatron land there; a test puts
+    (runtime.device decides, as in training). Models built by megatron land there; a test puts
     its inputs there too."""
     return compute.select()
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import torch
 import torch.multiprocessing as mp
 
-from model import device
 from model.config import ModelConfig
-from model.parallel import free_port
+from runtime import cpu_compat, device
+from runtime.launcher import free_port
 
 SEQ, MBS, VOCAB = 16, 2, 100
 
@@ -50,11 +50,12 @@ def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
     )
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = False  # as in the test process (conftest.py)
-    fn(*args)
+    with cpu_compat.enabled():  # each rank is its own entry point
+        fn(*args)
 
 
 # What makes a child process compute on the CPU whatever this machine has: no visible GPU
-# (model.device then picks the CPU and gloo) and Triton kernels in its interpreter.
+# (runtime.device then picks the CPU and gloo) and Triton kernels in its interpreter.
 CPU_ONLY_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
 
 

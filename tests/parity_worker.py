@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from kernels import dispatch
-from model import parallel
+from kernels.norms import Norm
 from model.builder import build_model, wrap_ddp
-from model.checkpoint import load_model, save_model
 from model.config import ParallelConfig
-from model.schedule import forward_backward
+from model.layers.two_stream import TwoStreamLayer
+from runtime import parallel, weights
+from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
 
 MICROBATCHES = 4
@@ -31,25 +31,27 @@ def grads_into_params(chunks) -> None:
 def record_depth_scales(chunks, folder: str) -> None:
     """Write {global block index: c_l} for the two-stream blocks this rank holds."""
     scales = {
-        layer.layer_number - 1: layer.depth_scale
+        layer.layer_number - 1: layer.c
         for chunk in chunks for layer in chunk.module.decoder.layers
-        if hasattr(layer, "depth_scale")
+        if isinstance(layer, TwoStreamLayer)
     }
     with open(os.path.join(folder, f"depth_scales.rank{dist.get_rank()}.json"), "w") as f:
         json.dump(scales, f)
 
 
 def run_layout(layout: dict, schemes: list[str], workdir: str,
-               model_overrides: dict | None = None) -> None:
+               model_overrides: dict | None = None, norm_backend: str = "torch") -> None:
     """Load the reference weights into a sharded model, run one batch, save losses and grads.
-    ``model_overrides`` are ModelConfig fields applied to every scheme's tiny model."""
+    ``model_overrides`` are ModelConfig fields applied to every scheme's tiny model; the model
+    is built with ``norm_backend``, and the backends its norms hold are written down."""
     par = ParallelConfig(distributed_optimizer=False, **layout)
     parallel.initialize(par)
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     for scheme in schemes:
-        chunks = wrap_ddp(build_model(tiny_model(scheme, **(model_overrides or {})), par), par)
-        load_model(chunks, os.path.join(workdir, scheme, "weights"))
+        model = tiny_model(scheme, **(model_overrides or {}))
+        chunks = wrap_ddp(build_model(model, par, norm_backend=norm_backend), par)
+        weights.load(chunks, os.path.join(workdir, scheme, "weights"))
         mine = batches(MICROBATCHES)[dp_rank::dp]
         losses = [float(loss) for loss in forward_backward(chunks, mine, len(mine), SEQ, MBS)]
         gathered = [None] * dist.get_world_size()
@@ -60,10 +62,11 @@ def run_layout(layout: dict, schemes: list[str], workdir: str,
             with open(os.path.join(workdir, scheme, "loss.json"), "w") as f:
                 json.dump(mean, f)
             with open(os.path.join(workdir, scheme, "norm_backend"), "w") as f:
-                f.write(dispatch.active_backend().value)
+                f.write(",".join(sorted({m.backend.value for chunk in chunks
+                                         for m in chunk.modules() if isinstance(m, Norm)})))
         record_depth_scales(chunks, os.path.join(workdir, scheme))
         grads_into_params(chunks)
-        save_model(chunks, os.path.join(workdir, scheme, "grads"))
+        weights.save(chunks, os.path.join(workdir, scheme, "grads"))
     parallel.destroy()
 
 
@@ -91,9 +94,9 @@ def run_optimizer_step(scheme: str, workdir: str, distributed: bool) -> None:
     par = ParallelConfig(distributed_optimizer=distributed)
     parallel.initialize(par)
     chunks = wrap_ddp(build_model(tiny_model(scheme), par), par)
-    load_model(chunks, os.path.join(workdir, "weights"))
+    weights.load(chunks, os.path.join(workdir, "weights"))
     grad_norm = optimizer_step(chunks, distributed)
-    save_model(chunks, os.path.join(workdir, "stepped"))
+    weights.save(chunks, os.path.join(workdir, "stepped"))
     if dist.get_rank() == 0:
         with open(os.path.join(workdir, "grad_norm.json"), "w") as f:
             json.dump(grad_norm, f)

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from model.parallel import standalone_env
+from runtime.launcher import standalone_env
 from tests.helpers import CPU_ONLY_ENV
 
 REPO = Path(__file__).resolve().parent.parent

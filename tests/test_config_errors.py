@@ -4,7 +4,8 @@ import pytest
 
 from model.backends import te_available
 from model.builder import build_model
-from model.config import ConfigError, ModelConfig, ParallelConfig
+from model.config import ModelConfig, ParallelConfig
+from runtime.errors import ConfigError
 
 CASES = [
     # (model overrides, parallel overrides, fragments the message must contain)

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from model.config import ConfigError
 from pretrain.config import load_config
 from pretrain.progress import clock
+from runtime.errors import ConfigError
 from tests.pretrain_fixtures import cli, train_args
 
 WARNING_LINE = re.compile(r"Warning|warnings\.warn|\[megatron\]")

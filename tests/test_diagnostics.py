@@ -11,10 +11,11 @@ import torch
 
 from model.builder import build_model, wrap_ddp
 from model.config import ParallelConfig
-from model.schedule import forward_backward
 from model.schemes import PositionEmbedding
 from pretrain.config import load_config
 from pretrain.diagnostics import LossSpikeDetector, StreamDiagnostics, build
+from runtime import weights
+from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
 from tests.pretrain_fixtures import cli, metrics, train_args
 from tests.wandb_reader import read_run
@@ -242,12 +243,11 @@ def test_run_logs_correct_diagnostics_to_jsonl_and_wandb(single_rank, logged_run
     assert [r["step"] for r in rows] == [1, 2]
     config = load_config(str(logged_run / "config.toml"))
     # Recompute step 2 by hand: the step-1 checkpoint's weights on the batch step 2 trained on.
-    from pretrain import checkpoint
     from pretrain.data import build_datasets, step_microbatches
     from pretrain.tokenizer import Tokenizer
 
     (model,) = build_model(config.model, config.parallel)
-    checkpoint.load_weights(logged_run / "checkpoints" / "step_00000001", [model])
+    weights.load([model], logged_run / "checkpoints" / "step_00000001")
     train_set, _ = build_datasets(config, Tokenizer(config.data.tokenizer))
     d = config.data
     second_batch = d.global_batch_size  # the first sample of step 1

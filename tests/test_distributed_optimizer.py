@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from model.builder import build_model
-from model.checkpoint import load_model, save_model
 from model.config import ParallelConfig
+from runtime import weights
 from tests.helpers import spawn, tiny_model
 from tests.parity_worker import run_optimizer_step
 
 
 def stepped_weights(folder, scheme) -> dict:
     [model] = build_model(tiny_model(scheme), ParallelConfig())
-    load_model([model], str(folder / "stepped"))
+    weights.load([model], str(folder / "stepped"))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -23,7 +23,7 @@ def stepped_weights(folder, scheme) -> dict:
 def test_sharded_optimizer_step_matches_single_process(single_rank, scheme, tmp_path):
     torch.manual_seed(11)
     [model] = build_model(tiny_model(scheme), ParallelConfig())
-    save_model([model], str(tmp_path / "weights"))
+    weights.save([model], str(tmp_path / "weights"))
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     for folder in (single, sharded):
         folder.mkdir()

@@ -14,7 +14,7 @@ from tests.pretrain_fixtures import REPO, cli, env
 
 def _is_preset(path: Path) -> bool:
     """Training configs, in sub-folders too. Not presets: bases that presets build on (named
-    _*.toml) and sweep descriptions (a [sweep] table, read by bench.lr_sweep)."""
+    _*.toml) and sweep descriptions (a [sweep] table, read by lab.lr_sweep)."""
     return not path.name.startswith("_") and "sweep" not in tomllib.loads(path.read_text())
 
 

@@ -117,10 +117,10 @@ class Reference:
                     if k == "mlp":
                         h = self.norm(h, n("mlp_post_norm"))
                     h = h + self.branch(k, h, i, qkv_norm=True)
-                elif scheme == "siamese":
-                    u = self.norm(x, n(f"{k}_post_norm"))
-                    r = self.branch(k, n_in(u + self.norm(y, n(f"{k}_pre_norm")),
-                                            n(f"{k}_in_norm")), i)
+                elif scheme == "siamese":  # Npost, Npre, Nin of sublayer k: k_norms.*
+                    u = self.norm(x, n(f"{k}_norms.post"))
+                    r = self.branch(k, n_in(u + self.norm(y, n(f"{k}_norms.pre")),
+                                            n(f"{k}_norms.inp")), i)
                     x, y = u + r / c, y + r
                 else:  # siamese_hybrid
                     if k == "attn":
@@ -130,9 +130,9 @@ class Reference:
                         r = self.branch(k, a, i, qkv_norm=True)
                     else:
                         if not star:
-                            x = self.norm(x, n("mlp_post_norm"))
-                        r = self.branch(k, n_in(x + self.norm(y, n("mlp_pre_norm")),
-                                                n("mlp_in_norm")), i)
+                            x = self.norm(x, n("mlp_norms.post"))
+                        r = self.branch(k, n_in(x + self.norm(y, n("mlp_norms.pre")),
+                                                n("mlp_norms.inp")), i)
                     x, y = x + r / c, y + r
         if scheme in ("pre", "hybridnorm", "mixln"):
             h = self.norm(h, "decoder.final_layernorm")
@@ -206,8 +206,8 @@ def test_deepnorm_init_scales_branch_weights_by_beta(single_rank):
 ])
 def test_mixln_split(layers, ratio, post_blocks):
     """Mix-LN's first floor(ratio * L) blocks are Post-Norm, by global index."""
-    from model.spec import is_pre_norm_block
+    from model.spec import scheme_layer
 
     cfg = ModelConfig(residual_scheme="mixln", num_layers=layers, mixln_post_ratio=ratio)
-    assert [not is_pre_norm_block(cfg, i) for i in range(layers)] == \
+    assert [scheme_layer(cfg, i) is not None for i in range(layers)] == \
         [i < post_blocks for i in range(layers)]

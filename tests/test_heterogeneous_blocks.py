@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from model.builder import build_model
-from model.checkpoint import load_model, save_model
 from model.config import ParallelConfig
+from runtime import weights
 from tests.helpers import tiny_model
 
 
@@ -25,8 +25,8 @@ def test_checkpoint_round_trip(single_rank, scheme, extra, tmp_path):
     [saved] = build_model(cfg, ParallelConfig())
     torch.manual_seed(1)
     [loaded] = build_model(cfg, ParallelConfig())
-    save_model([saved], str(tmp_path))
-    load_model([loaded], str(tmp_path))
+    weights.save([saved], str(tmp_path))
+    weights.load([loaded], str(tmp_path))
     expected = dict(saved.named_parameters())
     for name, param in loaded.named_parameters():
         torch.testing.assert_close(param, expected[name], rtol=0, atol=0)

@@ -1,34 +1,18 @@
-"""The norm dispatch point and the Norm module (torch reference path)."""
+"""The Norm module (torch reference path), the scoped CPU layer, and the TE backend spec."""
 
 import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kernels import dispatch
+from kernels.backend import NormBackend
 from kernels.norms import Norm
-from model import cpu_compat
+from runtime import cpu_compat
 
 
 def config(normalization="RMSNorm", sequence_parallel=False, tp=1):
     return TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
                              normalization=normalization, sequence_parallel=sequence_parallel,
                              tensor_model_parallel_size=tp)
-
-
-def test_auto_resolves_and_force_restores():
-    """auto is the fused Triton path on a GPU (Triton is a dependency) and the torch
-    reference on a CPU machine, where Triton would only run in its interpreter."""
-    expected = dispatch.NormBackend.TRITON if torch.cuda.is_available() \
-        else dispatch.NormBackend.TORCH
-    assert dispatch.set_backend("auto") is expected
-    with dispatch.forced_backend("torch") as backend:
-        assert dispatch.active_backend() is backend
-    assert dispatch.active_backend() is expected
-
-
-def test_unknown_backend_is_one_clear_line():
-    with pytest.raises(ValueError, match=r"kernels.norm_backend \(cuda-magic\) must be one of"):
-        dispatch.set_backend("cuda-magic")
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
@@ -54,9 +38,32 @@ def test_norm_weights_marked_for_sequence_parallel_reduction(sp):
     assert torch.equal(norm.weight, torch.ones(8)) and torch.equal(norm.bias, torch.zeros(8))
 
 
-def test_cpu_shim_is_inert_when_cuda_exists(monkeypatch):
+def test_cpu_layer_is_inert_when_cuda_exists(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_compat.install() is False
+    with cpu_compat.enabled() as active:
+        assert active is False
+
+
+def test_cpu_layer_is_scoped(monkeypatch):
+    """Entered, it redirects megatron's CUDA bookkeeping; left, every patched function is the
+    original again (the test session holds it open, so the scope is checked from outside)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU layer is inert with CUDA (checked above)")
+    monkeypatch.setattr(cpu_compat, "_depth", 0)  # as if no entry point had entered it
+    names = ("current_device", "synchronize", "manual_seed", "get_rng_state")
+    before = [getattr(torch.cuda, n) for n in names] + [mrandom._get_cuda_rng_state]
+    with monkeypatch.context() as m:
+        for name in names:  # put back by monkeypatch even if the scope failed to
+            m.setattr(torch.cuda, name, getattr(torch.cuda, name))
+        with cpu_compat.enabled() as active:
+            assert active and cpu_compat.active()
+            assert torch.cuda.current_device() == torch.device("cpu")
+            assert torch.zeros(1, device="cuda").device.type == "cpu"
+        assert not cpu_compat.active()
+        assert [getattr(torch.cuda, n) for n in names] == before[:-1]
+        assert mrandom._get_cuda_rng_state is before[-1]
 
 
 class _StandInTENorm(Norm):
@@ -71,9 +78,9 @@ def test_te_backend_puts_te_norms_everywhere_in_the_spec(single_rank, monkeypatc
     from model.config import ParallelConfig
     from tests.helpers import tiny_model
 
-    monkeypatch.setattr(dispatch, "active_backend", lambda: dispatch.NormBackend.TE)
+    monkeypatch.setattr("model.builder.resolve", lambda requested: NormBackend(requested))
     monkeypatch.setattr(spec, "te_module", lambda name: {"TENorm": _StandInTENorm}[name])
     [model] = build_model(tiny_model(scheme, transformer_impl="local"),
-                          ParallelConfig(distributed_optimizer=False))
+                          ParallelConfig(distributed_optimizer=False), norm_backend="te")
     norms = [m for m in model.modules() if isinstance(m, Norm)]
     assert norms and all(type(m) is _StandInTENorm for m in norms), scheme

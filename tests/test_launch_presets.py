@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from model.config import ConfigError
 from model.schemes import ResidualScheme
 from pretrain.config import Config, load_config, validate
+from runtime.errors import ConfigError
 from tests.pretrain_fixtures import REPO
 
 PAPER = REPO / "configs" / "paper"

@@ -19,6 +19,7 @@ from pretrain.config import Config
 from pretrain.identity import model_identity
 from pretrain.optim import build_optimizer
 from pretrain.start import weights_source
+from runtime import weights
 from tests.fixtures.make_legacy_checkpoints import FIXTURES, TOKENS, config_for, logits
 
 NAMES = ["siamese", "siamese_hybrid_star"]
@@ -46,7 +47,7 @@ def test_legacy_weights_compute_the_recorded_logits(name, single_rank, device):
     found = weights_source(str(FIXTURES / name), model_identity(config))
     chunks = build_model(config.model, config.parallel)
     before = logits(chunks, torch.tensor(TOKENS, device=device))
-    checkpoint.load_weights(Path(found), chunks)
+    weights.load(chunks, Path(found))
     after = logits(chunks, torch.tensor(TOKENS, device=device))
     expected = recorded_logits(name, device)
     assert not torch.allclose(before, expected, atol=1e-3)  # the load changed the model

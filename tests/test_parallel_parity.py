@@ -13,12 +13,11 @@ import os
 import pytest
 import torch
 
-from kernels import dispatch
 from model.builder import build_model, wrap_ddp
-from model.checkpoint import load_model, save_model
 from model.config import ParallelConfig
-from model.schedule import forward_backward
 from model.schemes import ResidualScheme
+from runtime import weights
+from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_layout
 
@@ -41,21 +40,21 @@ def reference(single_rank, tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     par = ParallelConfig(distributed_optimizer=False)
     out = {}
-    with dispatch.forced_backend("torch"):  # the reference path on every machine
-        for scheme in SCHEMES + BASELINES:
-            out[scheme] = _reference(root, scheme, par)
+    for scheme in SCHEMES + BASELINES:
+        out[scheme] = _reference(root, scheme, par)
     return root, out
 
 
 def _reference(root, scheme: str, par: ParallelConfig) -> tuple[float, dict]:
     """One scheme's unsharded weights (saved for the sharded ranks), loss and gradients."""
     torch.manual_seed(7)
-    chunks = wrap_ddp(build_model(tiny_model(scheme), par), par)
+    # the torch reference path on every machine
+    chunks = wrap_ddp(build_model(tiny_model(scheme), par, norm_backend="torch"), par)
     with torch.no_grad():  # norms away from 1 so a misrouted norm weight shows
         for name, p in chunks[0].module.named_parameters():
             if "norm" in name or "gate" in name:
                 p.add_(0.2 * torch.randn_like(p))
-    save_model(chunks, str(root / scheme / "weights"))
+    weights.save(chunks, str(root / scheme / "weights"))
     losses = forward_backward(chunks, batches(MICROBATCHES), MICROBATCHES, SEQ, MBS)
     grads = {n: p.main_grad.clone() for n, p in chunks[0].module.named_parameters()}
     return float(sum(losses)) / len(losses), grads
@@ -65,8 +64,8 @@ def _reference(root, scheme: str, par: ParallelConfig) -> tuple[float, dict]:
 
 def read_grads(scheme_dir) -> dict:
     par = ParallelConfig(distributed_optimizer=False)
-    [model] = build_model(tiny_model(os.path.basename(scheme_dir)), par)
-    load_model([model], os.path.join(scheme_dir, "grads"))
+    [model] = build_model(tiny_model(os.path.basename(scheme_dir)), par, norm_backend="torch")
+    weights.load([model], os.path.join(scheme_dir, "grads"))
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
@@ -101,13 +100,12 @@ def _interpreter_problem() -> str | None:
 
 
 @pytest.mark.slow
-def test_fused_kernels_under_sequence_parallelism(reference, tmp_path, monkeypatch):
+def test_fused_kernels_under_sequence_parallelism(reference, tmp_path):
     """The Triton kernels (CPU interpreter) at TP=2 with sequence parallelism match the torch
     path unsharded: the norm weights they take get their gradients all-reduced over TP."""
     problem = _interpreter_problem()
     if problem:
         pytest.skip(problem)
-    monkeypatch.setenv("KERNELS_NORM_BACKEND", "triton")  # read by the spawned ranks
     check_layout(reference, "tp2-sp", SCHEMES, tmp_path, backend="triton")
 
 
@@ -129,7 +127,8 @@ def check_layout(reference, layout: str, schemes: list[str], tmp_path,
     for scheme in schemes:
         (work / scheme).mkdir(parents=True)
         os.symlink(root / scheme / "weights", work / scheme / "weights")
-    spawn(WORLD[layout], run_layout, LAYOUTS[layout], schemes, str(work), gpu=gpu)
+    spawn(WORLD[layout], run_layout, LAYOUTS[layout], schemes, str(work), None, backend,
+          gpu=gpu)
     for scheme in schemes:
         ref_loss, ref_grads = expected[scheme]
         loss = json.loads((work / scheme / "loss.json").read_text())
@@ -140,7 +139,7 @@ def check_layout(reference, layout: str, schemes: list[str], tmp_path,
         for path in (work / scheme).glob("depth_scales.rank*.json"):
             scales.update({int(k): v for k, v in json.loads(path.read_text()).items()})
         num_layers = tiny_model(scheme).num_layers
-        two_stream = ResidualScheme(scheme).two_stream
+        two_stream = ResidualScheme(scheme).traits.two_stream
         assert scales == ({i: math.sqrt(2 * (i + 1)) for i in range(num_layers)}
                           if two_stream else {})
         grads = read_grads(str(work / scheme))

@@ -90,9 +90,9 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(data, reference, t
     # Its own session: megatron's checkpoint writer leaves a helper process that outlives a
     # SIGKILLed parent (on a cluster the job's cgroup reaps it); the test reaps the group.
     with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pretrain", *args], cwd=REPO, stdout=log,
-                                stderr=log, start_new_session=True,
-                                env=env(PRETRAIN_FAULT_KILL_IN_SAVE="6"))
+        proc = subprocess.Popen([sys.executable, "-m", "tests.kill_in_save", "6", *args],
+                                cwd=REPO, stdout=log, stderr=log, start_new_session=True,
+                                env=env())
         code = proc.wait(timeout=240)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -336,7 +336,7 @@ def _isolated(monkeypatch, tmp_path):
     monkeypatch.setattr("pretrain.train.setup", no_setup)
     monkeypatch.setattr("pretrain.evaluate.setup", no_setup)
     # main() tears process groups down at exit; here they are the test session's
-    monkeypatch.setattr("model.parallel.destroy", lambda: None)
+    monkeypatch.setattr("runtime.parallel.destroy", lambda: None)
     try:
         with warnings.catch_warnings():
             yield

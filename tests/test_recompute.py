@@ -5,7 +5,7 @@ import torch
 
 from model.builder import build_model, wrap_ddp
 from model.config import ParallelConfig
-from model.schedule import forward_backward
+from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
 
 

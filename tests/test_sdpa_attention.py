@@ -23,11 +23,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from model.backends import te_available
 from model.builder import build_model, wrap_ddp
-from model.checkpoint import load_model, save_model
 from model.config import ParallelConfig
-from model.parallel import standalone_env
-from model.schedule import forward_backward
 from model.sdpa_attention import SDPAttention
+from runtime import weights
+from runtime.launcher import standalone_env
+from runtime.schedule import forward_backward
 from tests.helpers import CPU_ONLY_ENV, MBS, SEQ, batches, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_layout
 
@@ -166,7 +166,7 @@ PROBE = textwrap.dedent("""
 
     builtins.__import__ = watch
     import torch
-    from model import parallel
+    from runtime import parallel
     from model.backends import te_available
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
@@ -215,7 +215,7 @@ def _reference(scheme: str, folder: Path):
     par = ParallelConfig(distributed_optimizer=False)
     torch.manual_seed(7)
     chunks = wrap_ddp(build_model(tiny_model(scheme, attention_backend="local"), par), par)
-    save_model(chunks, str(folder / scheme / "weights"))
+    weights.save(chunks, str(folder / scheme / "weights"))
     losses = forward_backward(chunks, batches(MICROBATCHES), MICROBATCHES, SEQ, MBS)
     grads = {n: p.main_grad.clone() for n, p in chunks[0].module.named_parameters()}
     return float(sum(losses)) / len(losses), grads
@@ -235,7 +235,7 @@ def test_tp2_sdpa_matches_unsharded_local(single_rank, tmp_path):
         assert loss_err <= 1e-5, (scheme, loss, ref_loss)
         par = ParallelConfig(distributed_optimizer=False)
         [model] = build_model(tiny_model(scheme), par)
-        load_model([model], os.path.join(tmp_path, scheme, "grads"))
+        weights.load([model], os.path.join(tmp_path, scheme, "grads"))
         errors = {name: rel_err(grad.detach(), ref_grads[name])
                   for name, grad in model.named_parameters()}
         worst = max(errors, key=errors.get)

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model import device
 from pretrain import throughput
 from pretrain.config import load_config
 from pretrain.throughput import Throughput, flops_per_token, peak_tflops
 from pretrain.train import step_status
+from runtime import device
 from tests.pretrain_fixtures import REPO, env
 
 PAPER_1_3B = ["--model.num_layers=16", "--model.hidden_size=2048",
@@ -101,7 +101,7 @@ def test_step_status_agrees_loss_finiteness_and_stop_in_one_reduction(single_ran
 
 
 def test_make_deterministic_sets_every_switch():
-    probe = ("import os, torch; from model import device; device.make_deterministic(); "
+    probe = ("import os, torch; from runtime import device; device.make_deterministic(); "
              "print(os.environ['CUBLAS_WORKSPACE_CONFIG'], os.environ['NCCL_ALGO'], "
              "os.environ['NVTE_ALLOW_NONDETERMINISTIC_ALGO'], "
              "torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, "

@@ -18,7 +18,6 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron.core.datasets.utils import Split
 
-from model.config import ConfigError
 from pretrain import prepare
 from pretrain.prepare import check_dataset, prepare_data
 from pretrain.tokenizer import (
@@ -30,6 +29,7 @@ from pretrain.tokenizer import (
     iter_documents,
     train_tokenizer,
 )
+from runtime.errors import ConfigError
 
 VOCAB = 400
 TRICKY = [

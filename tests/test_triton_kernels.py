@@ -3,26 +3,30 @@
 On a CPU machine the kernels run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before any kernel module is imported), on small shapes whose hidden sizes
 include non-powers of two (masked lanes) and single rows. The ``gpu`` tests repeat the parity
-at the 1.3B shape with compiled kernels. Every op is checked through ``kernels.dispatch``, so the
-same call the model makes is compared: forced ``triton`` versus forced ``torch``.
+at the 1.3B shape with compiled kernels. Every op is checked as the model calls it: the same
+module (a Norm, a sublayer's norms, the merge) built with the triton backend against one built
+with the torch backend, holding the same weights.
 """
 
 from __future__ import annotations
 
 import collections
-import copy
 import sys
 
 import pytest
 import torch
-from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kernels import dispatch, triton_kernels, triton_ops
+from kernels import triton_kernels, triton_ops
+from kernels.backend import NormBackend, resolve
 from kernels.norms import Norm
 from model import streams
 from model.builder import build_model
 from model.config import ParallelConfig
+from model.layers.merge import StreamMergeNorm
+from model.layers.two_stream import SublayerNorms, packed_update
+from runtime.errors import ConfigError
 from tests.helpers import tiny_model
 
 CUDA = torch.cuda.is_available()
@@ -31,6 +35,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SHAPES = [(1, 3), (5, 48), (3, 100), (4, 130)]  # (rows, hidden)
 KINDS = ["RMSNorm", "LayerNorm"]
 DTYPES = [torch.float32, torch.bfloat16]
+TRITON, TORCH = NormBackend.TRITON, NormBackend.TORCH
 
 
 def test_kernels_are_interpreted_without_cuda():
@@ -44,19 +49,21 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def make_norms(kind: str, hidden: int, dtype: torch.dtype, count: int, seed: int = 0):
-    """``count`` Norm modules with weights (and biases) moved away from their init."""
+def norm_builder(kind: str, hidden: int, dtype: torch.dtype, backend: NormBackend):
+    """A builder of Norm modules with ``backend``, as a layer's ``build_norm``."""
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
                                normalization=kind, params_dtype=dtype)
+    return lambda: Norm(config, hidden_size=hidden, eps=1e-5, backend=backend).to(DEVICE)
+
+
+def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """``module`` with every parameter moved away from its init by seeded noise, so the same
+    module built under another backend holds the same values."""
     gen = torch.Generator().manual_seed(seed)
-    norms = []
-    for _ in range(count):
-        norm = Norm(config, hidden_size=hidden, eps=1e-5).to(DEVICE)
-        with torch.no_grad():
-            for param in norm.parameters():
-                param.add_((0.5 * torch.randn(param.shape, generator=gen)).to(param))
-        norms.append(norm)
-    return norms
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_((0.5 * torch.randn(param.shape, generator=gen)).to(param))
+    return module
 
 
 def inputs(shape, dtype, count: int, seed: int = 1):
@@ -65,48 +72,57 @@ def inputs(shape, dtype, count: int, seed: int = 1):
             for _ in range(count)]
 
 
-def run(backend: str, op, tensors, modules):
-    """Outputs of ``op(tensors, modules)`` and the gradients of the tensors and the modules'
-    parameters, under ``backend``."""
-    for t in tensors:
-        t.grad = None
-    for m in modules:
-        m.zero_grad(set_to_none=True)
-    with dispatch.forced_backend(backend):
-        outs = [o for o in op(tensors, modules) if o is not None]
+def run(op, tensors, module):
+    """Outputs of ``op(tensors, module)`` and the gradients of the tensors and the module's
+    parameters."""
+    outs = [o for o in op(tensors, module) if o is not None]
     gen = torch.Generator().manual_seed(2)
     # bf16-representable probes: the fp32 copies must see the same output gradients.
     probes = [torch.randn(o.shape, generator=gen).bfloat16().to(o) for o in outs]
     torch.autograd.backward(outs, probes)
-    params = [p for m in modules for p in m.parameters()]
+    params = list(module.parameters()) if module is not None else []
     return [o.detach() for o in outs] + [t.grad for t in tensors] + [p.grad for p in params]
 
 
-def fp32_copies(tensors, modules):
-    return ([t.detach().float().requires_grad_() for t in tensors],
-            [copy.deepcopy(m).float() for m in modules])
-
-
-def assert_parity(op, tensors, modules, dtype) -> float:
-    """The triton path on (tensors, modules) against the torch reference on fp32 copies of the
-    same values: for fp32 inputs that is the reference itself; for bf16 it is the reference's
-    fp32 math without its bf16 roundings between norms, i.e. what the fused kernels compute
-    before their single rounding of each output."""
-    got = run("triton", op, tensors, modules)
-    want = run("torch", op, *fp32_copies(tensors, modules))
+def assert_parity(build, op, tensors, dtype) -> float:
+    """``op`` on the module ``build(TRITON)`` against ``op`` on ``build(TORCH)`` in fp32, on fp32
+    copies of the same values: for fp32 inputs that is the reference itself; for bf16 it is the
+    reference's fp32 math without its bf16 roundings between norms, i.e. what the fused kernels
+    compute before their single rounding of each output."""
+    fp32 = [t.detach().float().requires_grad_() for t in tensors]
+    reference = build(TORCH)
+    got = run(op, tensors, build(TRITON))
+    want = run(op, fp32, reference.float() if reference is not None else None)
     assert len(got) == len(want)
     errors = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
     assert max(errors) <= TOLERANCE[dtype], errors
     return max(errors)
 
 
+def sublayer(kind, hidden, dtype, input_norm=True):
+    """Builds a sublayer's three norms with a given backend (the same weights under each)."""
+    return lambda backend: perturbed(SublayerNorms(
+        norm_builder(kind, hidden, dtype, backend), backend, inp=input_norm))
+
+
+def merge(kind, hidden, dtype):
+    """Builds the final merge with a given backend (the same weights under each)."""
+    def build(backend):
+        config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
+                                   normalization=kind, params_dtype=dtype)
+        norm = ModuleSpec(module=Norm, params={"backend": backend})
+        return perturbed(StreamMergeNorm(config, hidden, 1e-5, norm=norm,
+                                         backend=backend).to(DEVICE))
+    return build
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_plain_norm(rows, hidden, kind, dtype):
-    [norm] = make_norms(kind, hidden, dtype, 1)
     [x] = inputs((rows, hidden), dtype, 1)
-    assert_parity(lambda t, m: [m[0](t[0])], [x], [norm], dtype)
+    assert_parity(lambda backend: perturbed(norm_builder(kind, hidden, dtype, backend)()),
+                  lambda t, m: [m(t[0])], [x], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -115,11 +131,9 @@ def test_plain_norm(rows, hidden, kind, dtype):
 @pytest.mark.parametrize("input_norm", [True, False], ids=["Nin", "no-Nin"])
 def test_siamese_entry_from_packed(rows, hidden, kind, dtype, input_norm):
     """Entry of a sublayer reading the two halves (strided views) of a packed tensor."""
-    post, pre, inp = make_norms(kind, hidden, dtype, 3)
-    inp = inp if input_norm else IdentityOp()
     [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
-    assert_parity(lambda t, m: dispatch.siamese_entry(*streams.unpack(t[0]), *m),
-                  [packed], [post, pre, inp], dtype)
+    assert_parity(sublayer(kind, hidden, dtype, input_norm),
+                  lambda t, m: m.entry(*streams.unpack(t[0])), [packed], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -127,10 +141,9 @@ def test_siamese_entry_from_packed(rows, hidden, kind, dtype, input_norm):
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_siamese_entry_block_zero(rows, hidden, kind, dtype):
     """Block 0: both streams are the same embedding tensor."""
-    post, pre, inp = make_norms(kind, hidden, dtype, 3)
     [emb] = inputs((rows, hidden), dtype, 1)
-    assert_parity(lambda t, m: dispatch.siamese_entry(*streams.start(t[0]), *m),
-                  [emb], [post, pre, inp], dtype)
+    assert_parity(sublayer(kind, hidden, dtype),
+                  lambda t, m: m.entry(*streams.start(t[0])), [emb], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -139,40 +152,41 @@ def test_siamese_entry_block_zero(rows, hidden, kind, dtype):
 @pytest.mark.parametrize("scale", [2.0 ** 0.5, 1.0])
 def test_update_fused_with_entry(rows, hidden, kind, dtype, scale):
     """The attention's dual update applied inside the MLP's entry (u', y', s all checked)."""
-    post, pre, inp = make_norms(kind, hidden, dtype, 3)
     u, y, r = inputs((rows, hidden), dtype, 3)
-    assert_parity(lambda t, m: dispatch.siamese_update_entry(*t, scale, *m),
-                  [u, y, r], [post, pre, inp], dtype)
+    assert_parity(sublayer(kind, hidden, dtype),
+                  lambda t, m: m.update_entry(*t, scale), [u, y, r], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_dual_update_into_packed(rows, hidden, dtype):
     u, y, r = inputs((rows, 1, hidden), dtype, 3)
-    assert_parity(lambda t, m: [dispatch.dual_update(*t, 6.0 ** 0.5, streams)],
-                  [u, y, r], [], dtype)
+    got = run(lambda t, _: [packed_update(*t, 6.0 ** 0.5, TRITON)], [u, y, r], None)
+    fp32 = [t.detach().float().requires_grad_() for t in (u, y, r)]
+    want = run(lambda t, _: [packed_update(*t, 6.0 ** 0.5, TORCH)], fp32, None)
+    errors = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
+    assert max(errors) <= TOLERANCE[dtype], errors
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_stream_merge(rows, hidden, kind, dtype):
-    norms = make_norms(kind, hidden, dtype, 3)
     [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
-    assert_parity(lambda t, m: [dispatch.stream_merge(*streams.unpack(t[0]), *m)],
-                  [packed], norms, dtype)
+    assert_parity(merge(kind, hidden, dtype), lambda t, m: [m(t[0])], [packed], dtype)
 
 
-def test_unknown_norm_module_falls_back_to_reference():
-    """A norm the kernels do not know (here torch's own) keeps the reference composition."""
-    post, pre = make_norms("RMSNorm", 48, torch.float32, 2)
-    foreign = torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE)
+def test_unknown_norm_module_keeps_the_composition():
+    """A norm the kernels do not know (here torch's own) makes the sublayer compose its
+    modules, even when built with the triton backend."""
+    known = norm_builder("RMSNorm", 48, torch.float32, TRITON)
+    built = iter([known(), known(), torch.nn.RMSNorm(48, eps=1e-5).to(DEVICE)])
+    norms = SublayerNorms(lambda: next(built), TRITON)
+    assert norms.fused is None
     x, y = inputs((3, 48), torch.float32, 2)
-    with dispatch.forced_backend("triton"):
-        u, s = dispatch.siamese_entry(x, y, post, pre, foreign)
-        expected = foreign(post(x) + pre(y))
+    u, s = norms.entry(x, y)
     assert s.grad_fn.name() != "EntryFunctionBackward"
-    torch.testing.assert_close(s, expected, rtol=0, atol=0)
+    torch.testing.assert_close(s, norms.inp(norms.post(x) + norms.pre(y)), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("scheme,extra", [
@@ -182,68 +196,98 @@ def test_unknown_norm_module_falls_back_to_reference():
 @pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm"])
 def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme, extra,
                                         normalization):
-    """Interpreted kernels on a CPU machine, compiled ones on a GPU; fp32 either way."""
+    """A model built with triton (interpreted kernels on a CPU machine, compiled on a GPU)
+    against the same model built with torch, same weights, fp32: same loss and gradients, and
+    each model runs its own backend throughout."""
     calls = collections.Counter()
-    for fn in (triton_ops.EntryFunction, triton_ops.DualUpdateFunction):
+    for fn in (triton_ops.EntryFunction, triton_ops.DualUpdateFunction, triton_ops.NormFunction):
         def counted(*args, fn=fn, apply=fn.apply):
             calls[fn.__name__] += 1
             return apply(*args)
         monkeypatch.setattr(fn, "apply", counted)
-    torch.manual_seed(0)
-    [model] = build_model(tiny_model(scheme, num_layers=2, normalization=normalization, **extra),
-                          ParallelConfig())
-    _perturb_norms(model)
-    tokens = torch.randint(0, 100, (2, 16)).to(device)
-    (loss_t, grads_t), (loss_f, grads_f) = _torch_and_triton(model, tokens)
+    cfg = tiny_model(scheme, num_layers=2, normalization=normalization, **extra)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = _torch_and_triton(cfg, tokens.to(device), calls)
+    (loss_t, grads_t, calls_t), (loss_f, grads_f, calls_f) = results
     errors = [rel_err(loss_f, loss_t)] + [rel_err(grads_f[n], grads_t[n]) for n in grads_t]
     assert errors[0] <= 1e-6 and max(errors) <= 1e-5, errors
+    assert not calls_t  # the torch model never reaches a kernel
     # The fused path really ran: per block the MLP entry (siamese also the attention entry;
-    # HybridNorm*'s block 0 none) and the packed update, plus the merge.
+    # HybridNorm*'s block 0 none) and the packed update, plus the merge; the remaining norms
+    # (siamese_hybrid's Npre_attn, QKV head norms, HybridNorm*'s block-0 norms) are triton's.
     per_block = [2 if scheme == "siamese" else 1] * 2
     if extra.get("hybrid_prenorm_first_block"):
         per_block[0] = 0
-    assert calls == {"EntryFunction": sum(per_block) + 1, "DualUpdateFunction": 2}, calls
+    assert calls_f["EntryFunction"] == sum(per_block) + 1, calls_f
+    assert calls_f["DualUpdateFunction"] == 2, calls_f
+    assert (calls_f["NormFunction"] > 0) == (scheme == "siamese_hybrid"), calls_f
 
 
 def _perturb_norms(model) -> None:
     """Every norm weight and gate away from its init, so a misplaced one cannot hide."""
+    gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "gate" in name:
-                param.add_(0.3 * torch.randn_like(param))
+                param.add_((0.3 * torch.randn(param.shape, generator=gen)).to(param))
 
 
-def _torch_and_triton(model, tokens: torch.Tensor):
-    """(loss, gradients by name) of one batch on the torch path, then on the fused path."""
+def _torch_and_triton(cfg, tokens: torch.Tensor, calls: collections.Counter,
+                      dtype: torch.dtype = torch.float32):
+    """(loss, gradients by name, kernel calls) of one batch through the model built with the
+    torch backend, then through the same model (same weights) built with triton."""
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    results = []
-    for backend in ("torch", "triton"):
-        model.zero_grad(set_to_none=True)
-        with dispatch.forced_backend(backend):
-            loss = model(tokens, positions, None, labels=tokens).float().mean()
+    results, weights = [], None
+    for backend in (TORCH, TRITON):
+        [model] = build_model(cfg, ParallelConfig(), dtype, norm_backend=backend)
+        if weights is None:
+            _perturb_norms(model)
+            weights = model.state_dict()
+        else:
+            model.load_state_dict(weights)
+        calls.clear()
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
         loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((loss.detach(), grads, collections.Counter(calls)))
     return results
+
+
+def test_backends_resolve_per_build_without_global_state(single_rank):
+    """Building with one backend leaves the next build's choice alone: a model's norms are
+    those of its own build, whatever was built before."""
+    cfg = tiny_model("siamese", num_layers=2)
+    backends = [TRITON, TORCH, TRITON]
+    models = [build_model(cfg, ParallelConfig(), norm_backend=b)[0] for b in backends]
+    for model, backend in zip(models, backends, strict=True):
+        norms = [m for m in model.modules() if isinstance(m, Norm)]
+        assert norms and {n.backend for n in norms} == {backend}
+        fused = [m.fused for m in model.modules() if isinstance(m, SublayerNorms)]
+        assert fused and all((f is not None) == (backend is TRITON) for f in fused)
 
 
 def test_auto_follows_the_machine_and_te_needs_cuda():
     """auto: the compiled Triton kernels with CUDA, the torch reference without (a CPU never
     runs the interpreter in training); te without CUDA is refused and never imported."""
-    expected = dispatch.NormBackend.TRITON if CUDA else dispatch.NormBackend.TORCH
-    assert dispatch.set_backend("auto") is expected
+    assert resolve("auto") is (TRITON if CUDA else TORCH)
     if not CUDA:
-        with pytest.raises(ValueError, match=r"kernels.norm_backend \(te\) is not available "
-                                             r"here: no CUDA device"):
-            dispatch.set_backend("te")
+        with pytest.raises(ConfigError, match=r"kernels.norm_backend \(te\) is not available "
+                                              r"here: no CUDA device"):
+            resolve("te")
         assert "transformer_engine" not in sys.modules
 
 
 def test_triton_without_cuda_or_interpreter_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match=r"kernels.norm_backend \(triton\) is not available "
-                                         r"here: no CUDA device"):
-        dispatch.set_backend("triton")
+    with pytest.raises(ConfigError, match=r"kernels.norm_backend \(triton\) is not available "
+                                          r"here: no CUDA device"):
+        resolve("triton")
+
+
+def test_unknown_backend_is_one_clear_line():
+    with pytest.raises(ConfigError, match=r"kernels.norm_backend \(cuda-magic\) must be one of"):
+        resolve("cuda-magic")
 
 
 # ---- GPU: compiled kernels at the 1.3B shape (4096 tokens x 2 sequences, hidden 2048) ----------
@@ -256,18 +300,15 @@ GPU_ROWS, GPU_HIDDEN = 8192, 2048
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_full_size_parity(kind, dtype):
     shape = (GPU_ROWS, 1, GPU_HIDDEN)
-    post, pre, inp = make_norms(kind, GPU_HIDDEN, dtype, 3)
     u, y, r = inputs(shape, dtype, 3)
     [packed] = inputs((GPU_ROWS, 1, 2 * GPU_HIDDEN), dtype, 1)
-    norms = [post, pre, inp]
-    assert_parity(lambda t, m: [m[0](t[0])], [u], [post], dtype)
-    assert_parity(lambda t, m: dispatch.siamese_entry(*streams.unpack(t[0]), *m),
-                  [packed], norms, dtype)
-    assert_parity(lambda t, m: dispatch.siamese_update_entry(*t, 3.0, *m), [u, y, r], norms,
-                  dtype)
-    assert_parity(lambda t, m: [dispatch.dual_update(*t, 3.0, streams)], [u, y, r], [], dtype)
-    assert_parity(lambda t, m: [dispatch.stream_merge(*streams.unpack(t[0]), *m)],
-                  [packed], norms, dtype)
+    assert_parity(lambda backend: perturbed(norm_builder(kind, GPU_HIDDEN, dtype, backend)()),
+                  lambda t, m: [m(t[0])], [u], dtype)
+    assert_parity(sublayer(kind, GPU_HIDDEN, dtype),
+                  lambda t, m: m.entry(*streams.unpack(t[0])), [packed], dtype)
+    assert_parity(sublayer(kind, GPU_HIDDEN, dtype),
+                  lambda t, m: m.update_entry(*t, 3.0), [u, y, r], dtype)
+    assert_parity(merge(kind, GPU_HIDDEN, dtype), lambda t, m: [m(t[0])], [packed], dtype)
 
 
 def test_bench_table_and_cpu_exit(capsys):
@@ -306,12 +347,10 @@ def test_gpu_whole_model_fused_matches_torch_in_bf16(single_rank, device, scheme
     cfg = ModelConfig(residual_scheme=scheme, num_layers=4, hidden_size=2048,
                       num_attention_heads=16, num_query_groups=4, ffn_hidden_size=5632,
                       vocab_size=32000, seq_length=2048)
-    torch.manual_seed(0)
-    [model] = build_model(cfg, ParallelConfig(), torch.bfloat16)
-    _perturb_norms(model)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(1)).to(device)
-    (loss_t, grads_t), (loss_f, grads_f) = _torch_and_triton(model, tokens)
+    results = _torch_and_triton(cfg, tokens, collections.Counter(), torch.bfloat16)
+    (loss_t, grads_t, _), (loss_f, grads_f, _) = results
     loss_t, loss_f = loss_t.item(), loss_f.item()
     errors = {name: _grad_error(grads_f[name], grads_t[name]) for name in grads_t}
     worst = max(errors, key=errors.get)

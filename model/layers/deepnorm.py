@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from model.config import ModelConfig
+from model.layers.base import BranchInputs, LayerChoice
 from model.layers.post import PostNormLayer
 
 
@@ -20,11 +22,12 @@ class DeepNormLayer(PostNormLayer):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         num_layers = self.config.num_layers  # the whole model's, on every pipeline stage
-        self.skip_scale = (2.0 * num_layers) ** 0.25
+        self.alpha = (2.0 * num_layers) ** 0.25
         self.scale_branch_init((8.0 * num_layers) ** -0.25)
 
-    def residual_update(self, sublayer, h, branch_out):
-        return getattr(self, f"{sublayer}_post_norm")(self.skip_scale * h + branch_out)
+    def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
+        h = self.attn_post_norm(self.alpha * h + self.attention(h, inputs))
+        return self.mlp_post_norm(self.alpha * h + self.feed_forward(h, inputs))
 
     @torch.no_grad()
     def scale_branch_init(self, beta: float) -> None:
@@ -34,7 +37,7 @@ class DeepNormLayer(PostNormLayer):
         gain beta. Here every matrix starts from the model's normal(0, init_method_std) (close
         to Xavier at usual widths) and those four are multiplied by beta. megatron's extra
         1/sqrt(2 L) on output projections is not used for this scheme (see
-        ``ResidualScheme.depth_scaled_output_init``): beta is DeepNorm's depth scaling, and
+        ``Traits.depth_scaled_output_init``): beta is DeepNorm's depth scaling, and
         applying both would shrink fc2 and the output projection twice. Only the local shard
         is touched: the V rows of a shard are the V rows of its own K/V groups, so every TP
         layout scales the same entries.
@@ -46,3 +49,7 @@ class DeepNormLayer(PostNormLayer):
         heads_per_group = self.config.num_attention_heads // self.config.num_query_groups
         groups = qkv.view(-1, heads_per_group + 2, self.config.kv_channels, qkv.shape[-1])
         groups[:, -1].mul_(beta)
+
+
+def layer(model: ModelConfig, index: int) -> LayerChoice:
+    return DeepNormLayer, {}

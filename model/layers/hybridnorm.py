@@ -6,25 +6,33 @@ For every block (the x-stream recipe of SiameseNorm's hybrid_pre, without y):
     MLP:        u = Npost_mlp(h)         # h is replaced by its normalised value
                 h = u + MLP(u)
 
-The last block's output is not normalised, so a final norm closes the block: out = N_final(h).
+The last block's output is not normalised, so a final norm closes the decoder.
 
 HybridNorm* (``hybrid_prenorm_first_block``) makes block 0 a Pre-Norm block that keeps the
-QKV-norm attention: h = h + Attn(N_attn(h)); h = h + MLP(N_mlp(h)). That block is megatron's
-own Pre-Norm layer, chosen by the spec (``model.spec``), so this class has no special case.
+QKV-norm attention: h = h + Attn(N_attn(h)); h = h + MLP(N_mlp(h)): megatron's own Pre-Norm
+layer (``layer`` returns None for it).
 """
 
 from __future__ import annotations
 
-from model.layers.base import SchemeLayer
+import torch
+
+from model.config import ModelConfig
+from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
 
 
 class HybridNormLayer(SchemeLayer):
-    norm_names = ("mlp_post_norm",)
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.mlp_post_norm = self.build_norm()
 
-    def branch_input(self, sublayer, hidden_states):
-        if sublayer == "mlp":
-            hidden_states = self.mlp_post_norm(hidden_states)
-        return hidden_states, hidden_states
+    def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
+        h = h + self.attention(h, inputs)
+        u = self.mlp_post_norm(h)
+        return u + self.feed_forward(u, inputs)
 
-    def residual_update(self, sublayer, h, branch_out):
-        return h + branch_out
+
+def layer(model: ModelConfig, index: int) -> LayerChoice:
+    if model.hybrid_prenorm_first_block and index == 0:
+        return None
+    return HybridNormLayer, {}

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from model.layers.base import SchemeLayer
+import torch
+
+from model.config import ModelConfig
+from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
 
 
 class PostNormLayer(SchemeLayer):
-    norm_names = ("attn_post_norm", "mlp_post_norm")
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.attn_post_norm = self.build_norm()
+        self.mlp_post_norm = self.build_norm()
 
-    def branch_input(self, sublayer, hidden_states):
-        return hidden_states, hidden_states
+    def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
+        h = self.attn_post_norm(h + self.attention(h, inputs))
+        return self.mlp_post_norm(h + self.feed_forward(h, inputs))
 
-    def residual_update(self, sublayer, h, branch_out):
-        return getattr(self, f"{sublayer}_post_norm")(h + branch_out)
+
+def layer(model: ModelConfig, index: int) -> LayerChoice:
+    return PostNormLayer, {}

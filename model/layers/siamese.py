@@ -1,35 +1,47 @@
 """SiameseNorm, post_pre variant (the canonical form).
 
-For each sublayer k of global block l, with c_l = sqrt(2 (l + 1)):
+For each sublayer k (attention, then MLP) of global block l, with c_l = sqrt(2 (l + 1)):
 
     u = Npost_k(x)                          # post-norm of the Post-Norm-like stream
     r = F_k( Nin_k( u + Npre_k(y) ) )       # one branch output shared by both streams
     x = u + r / c_l
     y = y + r
 
-Three norms per sublayer. The final merge Nfinal(Na(x) + Nb(y)) is :class:`StreamMergeNorm`.
-The math lives in ``kernels.dispatch`` (a torch reference and fused kernels): the attention's
-entry, the attention update fused with the MLP's entry, and the MLP update into the packed
-output.
+Three norms per sublayer (``attn_norms``, ``mlp_norms``); block 0 starts x = y = embedding,
+and the final merge Nfinal(Na(x) + Nb(y)) closes the decoder (``model.layers.merge``).
+Ablations: ``siamese_input_norm = false`` makes Nin the identity, ``siamese_depth_constant =
+false`` sets c_l = 1.
+
+Where fusion happens (triton backend; the torch backend runs the same steps unfused): the
+attention entry is one pass; the attention's update and the MLP's entry are one pass; the MLP's
+update is one pass writing the packed output.
 """
 
 from __future__ import annotations
 
-from kernels import dispatch
-from model.layers.base import TwoStreamLayer
+import torch
+
+from model.config import ModelConfig
+from model.layers.base import BranchInputs, LayerChoice
+from model.layers.two_stream import TwoStreamLayer
 
 
 class SiameseLayer(TwoStreamLayer):
-    norm_names = (
-        "attn_post_norm", "attn_pre_norm", "attn_in_norm",
-        "mlp_post_norm", "mlp_pre_norm", "mlp_in_norm",
-    )
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.attn_norms = self.sublayer_norms()
+        self.mlp_norms = self.sublayer_norms()
 
-    def branch_input(self, sublayer, hidden_states):
-        norms = [getattr(self, f"{sublayer}_{n}_norm") for n in ("post", "pre", "in")]
-        if sublayer == "attn":
-            x, y = self.split_streams(sublayer, hidden_states)
-            u, s = dispatch.siamese_entry(x, y, *norms)
-        else:  # hidden_states is the attention's PendingUpdate, applied with the MLP's norms
-            u, y, s = dispatch.siamese_update_entry(*hidden_states, self.depth_scale, *norms)
-        return s, (u, y)
+    def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
+        x, y = self.streams_in(hidden_states)
+        u, s = self.attn_norms.entry(x, y)                        # u = Npost(x), s = Nin(...)
+        r = self.attention(s, inputs)
+        u, y, s = self.mlp_norms.update_entry(u, y, r, self.c)   # x = u + r/c, y += r; entry
+        r = self.feed_forward(s, inputs)
+        return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed
+
+
+def layer(model: ModelConfig, index: int) -> LayerChoice:
+    """Every block is a SiameseLayer."""
+    return SiameseLayer, {"depth_constant": model.siamese_depth_constant,
+                          "input_norm": model.siamese_input_norm}

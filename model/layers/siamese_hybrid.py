@@ -6,25 +6,27 @@ Pre-Norm. For global block l, with c_l = sqrt(2 (l + 1)):
     attention:  a = x * g + Npre_attn(y)             # g: per-channel gate, init 1, fp32
                 r = Attn(a)                          # per-head norms on Q, K, V
                 x = x + r / c_l ;  y = y + r
-    MLP:        x = Npost_mlp(x)                     # x is replaced by its normalised value
-                r = MLP( Nin_mlp( x + Npre_mlp(y) ) )
-                x = x + r / c_l ;  y = y + r
+    MLP:        u = Npost_mlp(x)                     # x is replaced by its normalised value
+                r = MLP( Nin_mlp( u + Npre_mlp(y) ) )
+                x = u + r / c_l ;  y = y + r
 
 HybridNorm* (``hybrid_prenorm_first_block``): block 0 gives its attention a Pre-Norm input
-norm, a = Nin_attn(x * g + Npre_attn(y)), and skips Npost_mlp, keeping x's residual intact.
+norm, a = Nin_attn(x * g + Npre_attn(y)), and has no Npost_mlp, keeping x's residual intact.
 
-The attention update and the MLP entry (Npost, Npre, Nin) run as one fused op from
-``kernels.dispatch`` where the block has Npost; the gated attention entry and HybridNorm*'s
-block 0 keep the plain composition.
+Fusion (triton backend): the attention's update and the MLP's entry are one pass where the
+block has Npost_mlp; the MLP's update is one pass writing the packed output. The gated
+attention entry is no norm trio and stays plain torch.
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 
-from kernels import dispatch
 from kernels.norms import mark_sequence_parallel
-from model.layers.base import TwoStreamLayer
+from model.config import ModelConfig
+from model.layers.base import BranchInputs, LayerChoice
+from model.layers.two_stream import TwoStreamLayer
 
 
 class ChannelGate(torch.nn.Module):
@@ -40,29 +42,25 @@ class ChannelGate(torch.nn.Module):
 
 
 class SiameseHybridLayer(TwoStreamLayer):
-    norm_names = ("attn_pre_norm", "mlp_post_norm", "mlp_pre_norm", "mlp_in_norm")
-
     def __init__(self, config, submodules, *args, prenorm_first_block: bool = False, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
+        prenorm_block = prenorm_first_block and self.layer_number == 1
         self.attn_gate = ChannelGate(self.config, self.config.hidden_size)
-        self.prenorm_block = prenorm_first_block and self.layer_number == 1
-        if self.prenorm_block:
-            self.attn_in_norm = submodules.norm(
-                config=self.config, hidden_size=self.config.hidden_size,
-                eps=self.config.layernorm_epsilon,
-            )
-            del self.mlp_post_norm
+        self.attn_pre_norm = self.build_norm()
+        self.attn_in_norm = self.build_norm() if prenorm_block else IdentityOp()
+        self.mlp_norms = self.sublayer_norms(post=not prenorm_block)
 
-    def branch_input(self, sublayer, hidden_states):
-        if sublayer == "attn":  # the gate g is no norm: this entry stays the reference
-            x, y = self.split_streams(sublayer, hidden_states)
-            a = self.attn_gate(x) + self.attn_pre_norm(y)
-            return (self.attn_in_norm(a) if self.prenorm_block else a), (x, y)
-        # hidden_states is the attention's PendingUpdate.
-        if self.prenorm_block:  # no Npost: nothing to fuse the update with
-            x, y = self.apply_update(hidden_states)
-            return self.mlp_in_norm(x + self.mlp_pre_norm(y)), (x, y)
-        x, y, s = dispatch.siamese_update_entry(
-            *hidden_states, self.depth_scale, self.mlp_post_norm, self.mlp_pre_norm,
-            self.mlp_in_norm)
-        return s, (x, y)
+    def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
+        x, y = self.streams_in(hidden_states)
+        a = self.attn_in_norm(self.attn_gate(x) + self.attn_pre_norm(y))
+        r = self.attention(a, inputs)
+        u, y, s = self.mlp_norms.update_entry(x, y, r, self.c)   # x = x + r/c, y += r; entry
+        r = self.feed_forward(s, inputs)
+        return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed
+
+
+def layer(model: ModelConfig, index: int) -> LayerChoice:
+    """Every block is a SiameseHybridLayer (block 0 is HybridNorm*'s with the flag)."""
+    return SiameseHybridLayer, {"depth_constant": model.siamese_depth_constant,
+                                "input_norm": model.siamese_input_norm,
+                                "prenorm_first_block": model.hybrid_prenorm_first_block}

@@ -6,7 +6,7 @@ fixed, so every comparison on it is at equal budget. ``loss_curves.png`` has one
 (depth, warm-up, LR) with every scheme's training loss.
 
 Kept apart from the runner so the report can be rebuilt from finished cells alone
-(``python -m bench.lr_sweep --preset ... --report-only``). matplotlib is not a dependency of
+(``python -m lab.lr_sweep --preset ... --report-only``). matplotlib is not a dependency of
 training, so it is imported only when a plot is drawn (headless); without it the CSV and the
 table are still written and the plots are skipped with one warning line.
 """

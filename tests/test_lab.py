@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import lr_sweep, sweep_report
+from lab import lr_sweep, report
 from tests.helpers import children_on_cpu
 from tests.pretrain_fixtures import make_corpus
 
@@ -91,7 +91,7 @@ def test_collapsed_runs_are_marked_in_the_report():
     assert lr_sweep.mark_collapsed({**ok, "status": "failed"}, 5.9)["status"] == "failed"
     row = {"scheme": "post", "lr": 0.02, "layers": 12, "warmup": 15, "status": "collapsed",
            "final_val_loss": 6.0}
-    assert "| post | collapsed (6.000) |" in sweep_report.markdown_tables([row])
+    assert "| post | collapsed (6.000) |" in report.markdown_tables([row])
 
 
 def test_loss_spikes_are_counted(tmp_path):
@@ -103,7 +103,7 @@ def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     rows = [{"name": "pre-L2-lr0.001-wu1", "grid": "g", "scheme": "pre", "layers": 2,
              "lr": 1e-3, "warmup": 1, "status": "diverged", "final_val_loss": math.nan}]
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    sweep_report.write_report(tmp_path, rows, {})
+    report.write_report(tmp_path, rows, {})
     assert "plots need matplotlib" in capsys.readouterr().err
     assert (tmp_path / "results.csv").is_file() and "| pre | diverged |" in (
         tmp_path / "table.md").read_text()

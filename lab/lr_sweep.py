@@ -4,7 +4,7 @@ Why: the paper's central claim is about stability, i.e. which residual schemes s
 and how well, as the peak learning rate rises or the warm-up disappears. Checking that needs
 many identical runs that differ in one knob, on the same data and token budget.
 
-    python -m bench.lr_sweep --preset configs/sweep/cpu.toml [--jobs 2] [--out DIR]
+    python -m lab.lr_sweep --preset configs/sweep/cpu.toml [--jobs 2] [--out DIR]
                              [--list] [--report-only] [--section.key=value ...]
 
 A preset (TOML) names a base training config, overrides shared by every cell (``[train]``,
@@ -38,12 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.sweep_report import write_report
-from model.config import ConfigError
-from model.parallel import standalone_env
+from lab.report import write_report
 from model.schemes import ResidualScheme
 from pretrain.config import load_config
 from pretrain.diagnostics import LossSpikeDetector
+from runtime.errors import ConfigError, UserError
+from runtime.launcher import standalone_env
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_DATA = "runs/demo-data"
@@ -299,7 +299,7 @@ class Sweep:
         for cell in self.cells:
             try:
                 load_config(str(REPO / self.settings["base_config"]), self.overrides(cell))
-            except ConfigError as err:
+            except UserError as err:
                 raise ConfigError(f"cell {cell.name}: {err}") from None
 
     def run_cell(self, cell: Cell) -> dict:
@@ -388,13 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     and exit 2 before any cell runs; a sweep with failed cells exits 1."""
     try:
         return _main(argv)
-    except ConfigError as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = _Parser(prog="python -m bench.lr_sweep", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m lab.lr_sweep", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True, type=Path, help="configs/sweep/*.toml")
     parser.add_argument("--out", type=Path, help="output folder (default: the preset's)")
     parser.add_argument("--jobs", type=int, help="cells run at once (default: the preset's)")

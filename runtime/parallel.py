@@ -1,10 +1,10 @@
-"""Process-group set-up for one run: torch.distributed, megatron's parallel state, seeds."""
+"""Process groups for one run: torch.distributed, megatron's parallel state, seeds, and how
+the ranks agree on a host-side decision."""
 
 from __future__ import annotations
 
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -12,18 +12,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from model import cpu_compat, device
 from model.config import ParallelConfig
+from runtime import cpu_compat, device
 
 
 def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
     """Join (or create, for a single process) the default group and build megatron's groups.
 
-    The process is bound to its device first (:mod:`model.device`): NCCL on its GPU, or gloo
-    on the CPU with the CPU shim installed. A process started without torchrun gets a one-rank
-    group on a free local port.
+    The process is bound to its device first (:mod:`runtime.device`): NCCL on its GPU, or gloo
+    on the CPU, where the caller must have entered :func:`runtime.cpu_compat.enabled`. A
+    process started without torchrun gets a one-rank group on a free local port.
     """
-    cpu_compat.install()
+    if not device.uses_cuda() and not cpu_compat.active():
+        raise RuntimeError("on a CPU, megatron runs inside runtime.cpu_compat.enabled(); "
+                           "enter it around the work that initialises process groups")
     if not dist.is_initialized():
         backend = device.distributed_backend()
         bound = device.select()
@@ -65,21 +67,3 @@ def destroy() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# What torchrun (and launchers like it) set for a process to join their group.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-
-def standalone_env(environ=os.environ) -> dict[str, str]:
-    """``environ`` without a launcher's variables: a child process started with it runs its
-    own one-rank group (see :func:`initialize`) instead of trying to join its parent's."""
-    return {k: v for k, v in environ.items() if k not in LAUNCHER_VARS}
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for local rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,0 +1,110 @@
+"""The parts every SiameseNorm layer shares: c_l, the streams in and out, the sublayer norms.
+
+A SiameseNorm sublayer reads both streams through three norms and writes one branch output r
+back into both:
+
+    u = Npost(x);  s = Nin(u + Npre(y));  r = F(s);  x = u + r / c_l;  y = y + r
+
+:class:`SublayerNorms` holds Npost, Npre and Nin and computes the entry; it binds the fused
+Triton pass at construction when the model is built with the triton backend (one kernel reads
+x and y once), else it is the plain composition of the three modules. An attention update is
+never applied on its own: the MLP's entry takes it (``update_entry``), so the pair costs one
+pass, and the MLP's update is written straight into the packed tensor the next layer reads
+(:meth:`TwoStreamLayer.streams_out`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
+from megatron.core.transformer.identity_op import IdentityOp
+
+from kernels.backend import NormBackend
+from kernels.fused import fuse
+from model import streams
+from model.layers.base import SchemeLayer
+
+
+class SublayerNorms(torch.nn.Module):
+    """Npost, Npre and Nin of one sublayer (``post``/``inp`` False: an identity there).
+
+    ``entry(x, y)`` is (u, s) with u = Npost(x), s = Nin(u + Npre(y)); ``update_entry`` first
+    applies the previous sublayer's update x = u + r / c, y = y + r and returns (u', y, s).
+    """
+
+    def __init__(self, build_norm, backend: NormBackend, *, post: bool = True,
+                 inp: bool = True):
+        super().__init__()
+        self.post = build_norm() if post else IdentityOp()
+        self.pre = build_norm()
+        self.inp = build_norm() if inp else IdentityOp()
+        # The kernels need a real Npost; without one this stays the composition.
+        self.fused = fuse(backend, self.post, self.pre, self.inp) if post else None
+
+    def entry(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None:
+            return self.fused.entry(x, y)
+        u = self.post(x)
+        return u, self.inp(u + self.pre(y))
+
+    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float):
+        if self.fused is not None:
+            return self.fused.update_entry(u, y, r, c)
+        y = y + r
+        u, s = self.entry(u + r / c, y)
+        return u, y, s
+
+
+# In checkpoints each sublayer norm keeps the flat name it has always had (and that
+# Megatron-style tools read), e.g. ``attn_post_norm`` for the module ``attn_norms.post``.
+CHECKPOINT_NAMES = {f"{sub}_norms.{part}.": f"{sub}_{name}_norm."
+                    for sub in ("attn", "mlp")
+                    for part, name in (("post", "post"), ("pre", "pre"), ("inp", "in"))}
+
+
+def packed_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float,
+                  backend: NormBackend) -> torch.Tensor:
+    """pack(u + r / c, y + r); with triton one kernel writes both halves in place."""
+    if backend is NormBackend.TRITON:
+        from kernels import triton_ops
+
+        return triton_ops.dual_update(u, y, r, c, streams.empty(u), streams.unpack)
+    return streams.pack(u + r / c, y + r)
+
+
+class TwoStreamLayer(SchemeLayer):
+    """A layer whose input and output pack the x and y streams ([s, b, 2h]).
+
+    Global block 0 (``layer_number`` 1, always on the first pipeline stage) receives the
+    embedding instead and starts both streams from it.
+    """
+
+    def __init__(self, config, submodules, *args, depth_constant: bool = True,
+                 input_norm: bool = True, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.input_norm = input_norm
+        # c_l = sqrt(2 (l + 1)) for global block index l; ``layer_number`` is global and
+        # 1-based, so pipeline stages agree with the unsharded model. 1: the paper's ablation.
+        self.c = math.sqrt(2.0 * self.layer_number) if depth_constant else 1.0
+
+    def sublayer_norms(self, post: bool = True) -> SublayerNorms:
+        return SublayerNorms(self.build_norm, self.backend, post=post, inp=self.input_norm)
+
+    def streams_in(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) from the packed input, or both from the embedding in global block 0."""
+        if self.layer_number == 1:
+            return streams.start(hidden_states)
+        return streams.unpack(hidden_states)
+
+    def streams_out(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """The last update, x = u + r / c_l and y = y + r, as the packed tensor the next layer
+        reads."""
+        return packed_update(u, y, r, self.c, self.backend)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None):
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        apply_prefix_mapping(state, {prefix + k: prefix + v for k, v in CHECKPOINT_NAMES.items()})
+        return state

@@ -1,0 +1,153 @@
+"""Let megatron-core's CUDA-assuming code paths run on a CPU-only machine.
+
+megatron-core hard-codes CUDA in a handful of places that are not about compute at all:
+causal masks and token counters created with ``device="cuda"``, ``torch.cuda.current_device()``
+used as a device argument, the CUDA RNG tracker, stream handles and ``torch.cuda.*Tensor`` type
+checks. On a machine without CUDA this module redirects exactly those to the CPU so the same
+model code serves the CPU demo and the gloo tests. It does nothing when CUDA is available.
+
+It is a scope, not an import side effect: entry points (the ``pretrain`` CLI for train and eval,
+the benchmarks, the test session and each spawned test rank) run their work inside
+:func:`enabled`, and :func:`runtime.parallel.initialize` refuses to start on a CPU outside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from runtime import device
+
+_depth = 0
+_lock = threading.Lock()
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites ``device='cuda'`` arguments and ``.cuda()`` calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # DistributedOptimizer and grad clipping assert CUDA type names.
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class _CpuStream:
+    """Stand-in for a CUDA stream: every operation is already synchronous on the CPU."""
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+
+def _cpu_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, *_args, **_kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.ones(sq, sq, dtype=torch.bool).triu(1)
+
+
+_PATCHES = {  # torch.cuda's functions that megatron calls for bookkeeping, on the CPU
+    "current_device": lambda: torch.device("cpu"),
+    "synchronize": lambda *a, **k: None,
+    "current_stream": lambda *a, **k: _CpuStream(),
+    "stream": lambda *a, **k: contextlib.nullcontext(),
+    # The RNG tracker seeds its named states through this; the CPU generator stands in.
+    "manual_seed": lambda seed: torch.default_generator.manual_seed(seed),
+    "get_rng_state": _cpu_rng_state,
+    "set_rng_state": _set_cpu_rng_state,
+}
+
+
+def _megatron_targets() -> list[tuple[object, str, object]]:
+    """(module, attribute, CPU replacement) for megatron's private CUDA helpers."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils
+
+    return [
+        # megatron's RNG tracker saves/restores CUDA generator state: the CPU generator's.
+        (mrandom, "_get_cuda_rng_state", _cpu_rng_state),
+        (mrandom, "_set_cuda_rng_state", _set_cpu_rng_state),
+        # The causal mask helper builds on "cuda". It also runs inside backward when
+        # activations are recomputed, where the device-rewriting mode is not active (torch
+        # switches a mode off while it handles ``torch.autograd.backward``), so it is replaced.
+        (utils, "get_default_causal_mask", _causal_mask),
+        (fused_softmax, "get_default_causal_mask", _causal_mask),
+    ]
+
+
+def active() -> bool:
+    """Whether the CPU layer is in force (inside :func:`enabled` on a machine without CUDA)."""
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[bool]:
+    """Run a block with megatron's CUDA bookkeeping redirected to the CPU; yields whether the
+    layer is in force (False with CUDA, where it does nothing). Entry points wrap their work in
+    it; on exit every patched attribute gets its original back and the mode is left. Nested
+    uses share the outermost one."""
+    global _depth
+    if device.uses_cuda():
+        yield False
+        return
+    with _lock:
+        _depth += 1
+        outermost = _depth == 1
+        if outermost:
+            targets = [(torch.cuda, name, fn) for name, fn in _PATCHES.items()]
+            targets += _megatron_targets()
+            saved = [(obj, name, getattr(obj, name)) for obj, name, _ in targets]
+            for obj, name, replacement in targets:
+                setattr(obj, name, replacement)
+            mode = _CudaToCpu()
+            mode.__enter__()
+    try:
+        yield True
+    finally:
+        with _lock:
+            _depth -= 1
+            if outermost:
+                mode.__exit__(None, None, None)
+                for obj, name, original in saved:
+                    setattr(obj, name, original)
