@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.norms import Norm
 from model.builder import build_model, wrap_ddp
 from model.config import ParallelConfig
 from model.schemes import PositionEmbedding
@@ -100,15 +101,15 @@ def test_values_match_a_hand_run_pass(single_rank, scheme):
     model = tiny_model(scheme)
     chunks = wrap_ddp(build_model(model, ParallelConfig()), ParallelConfig())
     diag = StreamDiagnostics(chunks, model.num_layers, interval=1,
-                             two_stream=model.residual_scheme.two_stream)
+                             two_stream=model.residual_scheme.traits.two_stream)
     data = batches(2)
     with diag.step(1):
         forward_backward(chunks, data, 2, SEQ, MBS)
     logged = diag.records(1, 1.0)[0]
     assert logged["step"] == 1
-    expected = manual_stats(chunks[0].module, data, model.residual_scheme.two_stream)
+    expected = manual_stats(chunks[0].module, data, model.residual_scheme.traits.two_stream)
     _assert_close(logged, expected)
-    if model.residual_scheme.two_stream:
+    if model.residual_scheme.traits.two_stream:
         assert 0 < logged["diag/merge/x_share"] < 1
     assert _hooks(chunks) == 0
 
@@ -156,12 +157,12 @@ def test_values_on_a_model_with_known_streams(single_rank, scheme):
         for layer in gpt.decoder.layers:
             layer.self_attention.linear_proj.weight.zero_()
             layer.mlp.linear_fc2.weight.zero_()
-            for name, p in layer.named_parameters():
-                if name.endswith("_norm.weight"):
-                    p.fill_(2.0)
-        if model.residual_scheme.two_stream:
+            for module in layer.modules():  # every norm (branches are zero: only x sees them)
+                if isinstance(module, Norm):
+                    module.weight.fill_(2.0)
+        if model.residual_scheme.traits.two_stream:
             gpt.decoder.final_layernorm.x_norm.weight.fill_(3.0)
-    two_stream = model.residual_scheme.two_stream
+    two_stream = model.residual_scheme.traits.two_stream
     diag = StreamDiagnostics(chunks, model.num_layers, interval=1, two_stream=two_stream)
     data = batches(2)
     with diag.step(1):

@@ -166,17 +166,18 @@ PROBE = textwrap.dedent("""
 
     builtins.__import__ = watch
     import torch
-    from runtime import parallel
+    from runtime import cpu_compat, parallel
     from model.backends import te_available
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
     import bench.gpu_step  # noqa: F401
 
-    parallel.initialize(ParallelConfig())
-    for scheme in ("pre", "siamese", "siamese_hybrid"):
-        for backend in ("auto", "sdpa", "local"):
-            build_model(ModelConfig(residual_scheme=scheme, attention_backend=backend,
-                                    num_query_groups=2), ParallelConfig())
+    with cpu_compat.enabled():
+        parallel.initialize(ParallelConfig())
+        for scheme in ("pre", "siamese", "siamese_hybrid"):
+            for backend in ("auto", "sdpa", "local"):
+                build_model(ModelConfig(residual_scheme=scheme, attention_backend=backend,
+                                        num_query_groups=2), ParallelConfig())
     available = te_available()
 
     def ours(files):

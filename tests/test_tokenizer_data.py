@@ -29,7 +29,7 @@ from pretrain.tokenizer import (
     iter_documents,
     train_tokenizer,
 )
-from runtime.errors import ConfigError
+from runtime.errors import UserError
 
 VOCAB = 400
 TRICKY = [
@@ -82,8 +82,8 @@ def tokenizers(corpus, tmp_path_factory) -> dict[str, Tokenizer]:
 
 
 def _raises(match: str, call, *args, **kwargs) -> str:
-    """The ConfigError message, checked to be one line containing ``match``."""
-    with pytest.raises(ConfigError) as info:
+    """The user-error message (config or data), checked to be one line containing ``match``."""
+    with pytest.raises(UserError) as info:
         call(*args, **kwargs)
     message = str(info.value)
     assert "\n" not in message, message

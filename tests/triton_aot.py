@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import triton_kernels, triton_ops  # noqa: E402
+from model import streams  # noqa: E402
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # The 1.3B model's hidden size: the kernels' BLOCK and num_warps follow from it.
@@ -93,8 +94,7 @@ def _run_ops(dtype: torch.dtype, is_rms: bool) -> None:
                                        eps, is_rms, False)[2],
     ]
     if is_rms:  # the dual update has no norm
-        outputs.append(triton_ops.DualUpdateFunction.apply(
-            x, y, r, 3.0, lambda packed: packed.chunk(2, dim=-1)))
+        outputs.append(triton_ops.dual_update(x, y, r, 3.0, streams.empty(x), streams.unpack))
     torch.autograd.backward([o for o in outputs if o is not None],
                             [torch.ones_like(o) for o in outputs if o is not None])
 
