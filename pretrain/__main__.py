@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("inputs", nargs="+", help=".txt (paragraph = document) or .jsonl files")
     t.add_argument("--output", required=True, help="output prefix (writes PREFIX.model)")
     t.add_argument("--vocab-size", type=int, default=8192)
-    t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
+                   help="sentencepiece model type (pretrain.tokenizer.ModelType)")
 
     d = sub.add_parser("prepare-data", help="tokenise text into a Megatron indexed dataset")
     d.add_argument("inputs", nargs="+")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron.core import parallel_state
 
-from pretrain.config import Config
+from pretrain.config import Config, WandbMode
 from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
@@ -42,17 +42,17 @@ def _has_credentials() -> bool:
         return False
 
 
-def resolve_wandb_mode(mode: str) -> str:
+def resolve_wandb_mode(mode: WandbMode) -> WandbMode:
     """``auto`` means online when credentials exist (WANDB_API_KEY or a netrc entry)."""
-    if mode != "auto":
+    if mode is not WandbMode.AUTO:
         return mode
-    return "online" if _has_credentials() else "offline"
+    return WandbMode.ONLINE if _has_credentials() else WandbMode.OFFLINE
 
 
 def check_wandb(config: Config) -> None:
     """``online`` without credentials would stop the run at wandb.init, after the run folder
     was written, with wandb's own traceback; say it before anything starts."""
-    if config.logging.wandb_mode == "online" and not _has_credentials():
+    if config.logging.wandb_mode is WandbMode.ONLINE and not _has_credentials():
         raise ConfigError("logging.wandb_mode ('online') needs W&B credentials: set "
                           "WANDB_API_KEY or run `wandb login`, or use offline (then "
                           "`wandb sync RUN/wandb/offline-run-*`) or auto")
@@ -74,7 +74,7 @@ class MetricsLogger:
         if not self.active:
             return
         mode = resolve_wandb_mode(config.logging.wandb_mode)
-        if mode == "disabled":
+        if mode is WandbMode.DISABLED:
             return
         for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
                          ("WANDB_DATA_DIR", "data")):

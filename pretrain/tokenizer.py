@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
+from enum import StrEnum
 from pathlib import Path
 
 import sentencepiece as spm
@@ -32,7 +33,11 @@ UNK, BOS, EOS, PAD = 0, 1, 2, 3
 NEWLINE_PIECES = ["\n"]
 # 256 byte-fallback pieces, the 4 special ids and the newline must fit before any learnt piece.
 MIN_VOCAB_SIZE = 256 + 4 + len(NEWLINE_PIECES)
-MODEL_TYPES = ("bpe", "unigram")
+class ModelType(StrEnum):
+    """sentencepiece's model types this framework trains (``train-tokenizer --model-type``)."""
+
+    BPE = "bpe"
+    UNIGRAM = "unigram"
 # sentencepiece holds its training sentences in memory; above this it samples (its own advice).
 MAX_TRAINING_SENTENCES = 5_000_000
 # sentencepiece silently skips training sentences longer than max_sentence_length bytes, which
@@ -147,8 +152,9 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     replace existing ones, so an earlier tokenizer (and data tokenised with it) stays valid.
     ``vocab_size`` is a ceiling: unigram on a small corpus may stop below it.
     """
-    if model_type not in MODEL_TYPES:
-        raise ConfigError(f"tokenizer model_type ({model_type!r}) must be one of {MODEL_TYPES}")
+    if model_type not in tuple(ModelType):
+        raise ConfigError(f"tokenizer model_type ({model_type!r}) must be one of: "
+                          f"{', '.join(ModelType)}")
     if vocab_size < MIN_VOCAB_SIZE:
         raise ConfigError(f"tokenizer vocab_size ({vocab_size}) must be >= {MIN_VOCAB_SIZE} "
                           "(256 byte pieces, 4 special ids, newline)")

@@ -24,7 +24,7 @@ from megatron.core.transformer.module import Float16Module
 
 from model.builder import build_model, count_parameters, wrap_ddp
 from pretrain import checkpoint, console, diagnostics
-from pretrain.config import Config, validate
+from pretrain.config import Config, ParamsDtype, validate
 from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
 from pretrain.dry_run import human
 from pretrain.identity import DataPosition
@@ -50,9 +50,9 @@ class TrainingAborted(RuntimeError):
 
 def params_dtype(config: Config) -> torch.dtype:
     choice = config.run.params_dtype
-    if choice == "auto":
+    if choice is ParamsDtype.AUTO:
         return torch.bfloat16 if device.uses_cuda() else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    return {ParamsDtype.FP32: torch.float32, ParamsDtype.BF16: torch.bfloat16}[choice]
 
 
 class StepStatus(NamedTuple):

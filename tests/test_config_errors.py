@@ -71,3 +71,21 @@ def test_valid_layout_builds_config():
     config = transformer_config(ModelConfig(num_layers=4), ParallelConfig(tp=2, pp=2, vp=2))
     assert config.virtual_pipeline_model_parallel_size == 2
     assert config.variable_seq_lengths  # two streams cross pipeline stages packed
+
+
+def test_user_errors_come_by_kind(tmp_path):
+    """One base class for every user mistake (the CLI's one-line exit 2), one subclass per kind
+    of input: a bad field, a missing data file, a missing checkpoint."""
+    from pretrain import checkpoint
+    from pretrain.tokenizer import Tokenizer
+    from runtime.errors import CheckpointError, DataError, UserError
+
+    with pytest.raises(ConfigError):
+        ModelConfig(activation="tanh")
+    with pytest.raises(DataError, match="does not exist"):
+        Tokenizer(str(tmp_path / "missing.model"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.find(tmp_path / "no-run" / "checkpoints")
+    for kind in (ConfigError, DataError, CheckpointError):
+        assert issubclass(kind, UserError) and not issubclass(kind, tuple(
+            k for k in (ConfigError, DataError, CheckpointError) if k is not kind))
