@@ -23,7 +23,7 @@ import torch
 
 from model.config import ModelConfig
 from model.layers.base import BranchInputs, LayerChoice
-from model.layers.two_stream import TwoStreamLayer
+from model.layers.two_stream import TwoStreamLayer, siamese_params
 
 
 class SiameseLayer(TwoStreamLayer):
@@ -43,5 +43,4 @@ class SiameseLayer(TwoStreamLayer):
 
 def layer(model: ModelConfig, index: int) -> LayerChoice:
     """Every block is a SiameseLayer."""
-    return SiameseLayer, {"depth_constant": model.siamese_depth_constant,
-                          "input_norm": model.siamese_input_norm}
+    return SiameseLayer, siamese_params(model)

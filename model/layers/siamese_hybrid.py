@@ -26,7 +26,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from kernels.norms import mark_sequence_parallel
 from model.config import ModelConfig
 from model.layers.base import BranchInputs, LayerChoice
-from model.layers.two_stream import TwoStreamLayer
+from model.layers.two_stream import TwoStreamLayer, siamese_params
 
 
 class ChannelGate(torch.nn.Module):
@@ -61,6 +61,5 @@ class SiameseHybridLayer(TwoStreamLayer):
 
 def layer(model: ModelConfig, index: int) -> LayerChoice:
     """Every block is a SiameseHybridLayer (block 0 is HybridNorm*'s with the flag)."""
-    return SiameseHybridLayer, {"depth_constant": model.siamese_depth_constant,
-                                "input_norm": model.siamese_input_norm,
+    return SiameseHybridLayer, {**siamese_params(model),
                                 "prenorm_first_block": model.hybrid_prenorm_first_block}

@@ -74,6 +74,13 @@ def packed_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float,
     return streams.pack(u + r / c, y + r)
 
 
+def siamese_params(model) -> dict:
+    """The spec parameters every SiameseNorm layer takes from the model config (the paper's
+    two ablations)."""
+    return {"depth_constant": model.siamese_depth_constant,
+            "input_norm": model.siamese_input_norm}
+
+
 class TwoStreamLayer(SchemeLayer):
     """A layer whose input and output pack the x and y streams ([s, b, 2h]).
 
