@@ -59,9 +59,11 @@ def op_module(op: Op, backend, config, hidden: int):
 
     from model.layers.merge import StreamMergeNorm
     from model.layers.two_stream import SublayerNorms
+    from model.config import ModelConfig
     from model.spec import plain_norm
 
-    norm = plain_norm(backend)
+    # The model's norm as the spec builds it (LayerNorm without bias: the default).
+    norm = plain_norm(ModelConfig(normalization=config.normalization.lower()), backend)
 
     def build_norm():
         return build_module(norm, config=config, hidden_size=hidden, eps=1e-5)

@@ -3,7 +3,7 @@
 A sublayer's entry reads x and y and writes u = Na(x) and s = Nc(Na(x) + Nb(y)); the final merge
 is the same pass without storing u. :func:`fuse` decides, when a model is built, whether a
 given trio of norm modules can run as one kernel: all three :class:`~kernels.norms.Norm`
-modules of one kind and eps built for triton (Nc may be an identity: the input-norm ablation).
+modules of one kind, eps and bias presence built for triton (Nc may be an identity: the input-norm ablation).
 The kernels read the modules' own parameters, so gradients land on the same tensors as in the
 unfused composition, and checkpoints and sequence-parallel reductions do not depend on it.
 """
@@ -62,6 +62,6 @@ def fuse(backend: NormBackend, a, b, c) -> FusedNorms | None:
     norms = [a, b] if c is None else [a, b, c]
     if not all(isinstance(n, Norm) for n in norms):
         return None
-    if len({(n.eps, n.is_rms) for n in norms}) != 1:
+    if len({(n.eps, n.is_rms, n.bias is None) for n in norms}) != 1:
         return None
     return FusedNorms(a, b, c)

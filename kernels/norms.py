@@ -25,13 +25,13 @@ class Norm(torch.nn.Module):
     """RMSNorm or LayerNorm over the last dimension, chosen by ``config.normalization``.
 
     Follows megatron's norm builder signature ``(config=, hidden_size=, eps=)``; the spec adds
-    ``backend`` (torch or triton, already resolved), and the function computing the norm is
-    bound here, once. Weights start at 1 (and LayerNorm biases at 0), as every norm in
-    SiameseNorm must.
+    ``backend`` (torch or triton, already resolved) and ``bias`` (``model.norm_bias``: whether
+    a LayerNorm has a learnable bias), and the function computing the norm is bound here,
+    once. Weights start at 1 (and biases at 0), as every norm in SiameseNorm must.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
-                 backend: NormBackend = NormBackend.TORCH):
+                 backend: NormBackend = NormBackend.TORCH, bias: bool = True):
         super().__init__()
         if config.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(
@@ -44,7 +44,7 @@ class Norm(torch.nn.Module):
         self.backend = backend
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.bias = None
-        if not self.is_rms:
+        if bias and not self.is_rms:
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         for param in self.parameters():
             mark_sequence_parallel(param, config)

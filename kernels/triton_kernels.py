@@ -14,6 +14,9 @@ point of fusing is to read each input row once and write each output row once:
   tensor that layers exchange.
 - ``norm``: a plain RMSNorm / LayerNorm.
 
+``HAS_BIAS``: the norms' LayerNorm bias (``model.norm_bias``); RMSNorm never has one. Bias
+gradients are accumulated either way and dropped by the caller when there is no bias.
+
 Forward kernels run one program per row and save each norm's mean and rstd (fp32) for the
 backward. Backward kernels run a fixed number of programs, each looping over a contiguous block
 of rows, accumulating weight gradients in registers and writing one fp32 partial per program;
@@ -47,9 +50,9 @@ def _save_stats(stats_row, slot: tl.constexpr, mean, rstd, IS_RMS: tl.constexpr)
 
 
 @triton.jit
-def _affine(v_hat, w_ptr, b_ptr, cols, mask, IS_RMS: tl.constexpr):
+def _affine(v_hat, w_ptr, b_ptr, cols, mask, HAS_BIAS: tl.constexpr):
     out = v_hat * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if not IS_RMS:
+    if HAS_BIAS:
         out += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return out
 
@@ -88,8 +91,8 @@ def entry_fwd(
     wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, bc_ptr,
     a_out_ptr, y_out_ptr, s_out_ptr, stats_ptr,
     n_cols, scale, eps,
-    IS_RMS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr, HAS_C: tl.constexpr,
-    BLOCK: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
+    HAS_C: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -106,18 +109,18 @@ def entry_fwd(
 
     x_hat, mean, rstd = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
     _save_stats(stats_row, 0, mean, rstd, IS_RMS)
-    a = _affine(x_hat, wa_ptr, ba_ptr, cols, mask, IS_RMS)
+    a = _affine(x_hat, wa_ptr, ba_ptr, cols, mask, HAS_BIAS)
     if STORE_A:
         tl.store(a_out_ptr + out, a.to(a_out_ptr.dtype.element_ty), mask=mask)
 
     y_hat, mean, rstd = _normalize(y.to(tl.float32), mask, n_cols, eps, IS_RMS)
     _save_stats(stats_row, 1, mean, rstd, IS_RMS)
-    z = a + _affine(y_hat, wb_ptr, bb_ptr, cols, mask, IS_RMS)
+    z = a + _affine(y_hat, wb_ptr, bb_ptr, cols, mask, HAS_BIAS)
 
     if HAS_C:
         z_hat, mean, rstd = _normalize(z, mask, n_cols, eps, IS_RMS)
         _save_stats(stats_row, 2, mean, rstd, IS_RMS)
-        z = _affine(z_hat, wc_ptr, bc_ptr, cols, mask, IS_RMS)
+        z = _affine(z_hat, wc_ptr, bc_ptr, cols, mask, HAS_BIAS)
     tl.store(s_out_ptr + out, z.to(s_out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -128,8 +131,8 @@ def entry_bwd(
     ga_ptr, gy_ptr, gs_ptr,
     dx_ptr, dy_ptr, dr_ptr, dw_ptr,
     n_rows, n_cols, rows_per_program, scale,
-    IS_RMS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr, HAS_C: tl.constexpr,
-    BLOCK: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
+    HAS_C: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`entry_fwd`. ``ga``/``gy``/``gs`` are the (contiguous) gradients of
     the outputs a, y_out and s; ``dw`` receives this program's partial sums for
@@ -163,8 +166,8 @@ def entry_bwd(
         y_hat, rstd_b = _reload_hat(y.to(tl.float32), mask, stats_row, 1, IS_RMS)
         g_z = tl.load(gs_ptr + out, mask=mask, other=0.0).to(tl.float32)
         if HAS_C:
-            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, mask, IS_RMS)
-                 + _affine(y_hat, wb_ptr, bb_ptr, cols, mask, IS_RMS))
+            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, mask, HAS_BIAS)
+                 + _affine(y_hat, wb_ptr, bb_ptr, cols, mask, HAS_BIAS))
             z_hat, rstd_c = _reload_hat(z, mask, stats_row, 2, IS_RMS)
             acc_wc += g_z * z_hat
             acc_bc += g_z
@@ -213,7 +216,7 @@ def dual_update_fwd(
 @triton.jit
 def norm_fwd(
     x_ptr, x_stride, w_ptr, b_ptr, out_ptr, stats_ptr, n_cols, eps,
-    IS_RMS: tl.constexpr, BLOCK: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -221,7 +224,7 @@ def norm_fwd(
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     x_hat, mean, rstd = _normalize(x, mask, n_cols, eps, IS_RMS)
     _save_stats(stats_ptr + row * 2, 0, mean, rstd, IS_RMS)
-    out = _affine(x_hat, w_ptr, b_ptr, cols, mask, IS_RMS)
+    out = _affine(x_hat, w_ptr, b_ptr, cols, mask, HAS_BIAS)
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

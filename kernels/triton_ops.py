@@ -59,7 +59,7 @@ class NormFunction(torch.autograd.Function):
         if n_rows:
             kern.norm_fwd[(n_rows,)](
                 rows, rows.stride(0), weight, weight if bias is None else bias, out, stats,
-                n_cols, eps, IS_RMS=is_rms, **_launch_args(n_cols))
+                n_cols, eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, **_launch_args(n_cols))
         ctx.save_for_backward(rows, weight, stats)
         ctx.has_bias, ctx.is_rms = bias is not None, is_rms
         return out.view(x.shape)
@@ -86,7 +86,7 @@ class EntryFunction(torch.autograd.Function):
 
     With ``r`` given, (x, y) first become (x + r / scale, y + r) and y_out is the new y;
     otherwise y_out is None. ``a`` is None unless ``store_a``; ``wc`` None drops Nc. Biases are
-    None for RMSNorm.
+    None for RMSNorm and for LayerNorm without bias (all three norms alike: ``fuse``).
     """
 
     @staticmethod
@@ -108,7 +108,8 @@ class EntryFunction(torch.autograd.Function):
                 wa if wc is None else wc, wa if bc is None else bc,
                 s if a is None else a, s if y_out is None else y_out, s, stats,
                 n_cols, float(scale), eps,
-                IS_RMS=is_rms, UPDATE=update, STORE_A=store_a, HAS_C=has_c,
+                IS_RMS=is_rms, HAS_BIAS=ba is not None, UPDATE=update, STORE_A=store_a,
+                HAS_C=has_c,
                 **_launch_args(n_cols))
         # With an update, backward reads the new y (an output) instead of the old one.
         ctx.save_for_backward(xr, y_out if update else yr, rr, wa, ba, wb, bb, wc, bc, stats)
@@ -137,7 +138,8 @@ class EntryFunction(torch.autograd.Function):
                 wa if wc is None else wc, stats,
                 grad_a, grad_y, grad_s, dx, dy, dr, partials,
                 n_rows, n_cols, triton.cdiv(n_rows, programs), f["scale"],
-                IS_RMS=f["is_rms"], UPDATE=f["update"], STORE_A=f["store_a"],
+                IS_RMS=f["is_rms"], HAS_BIAS=ba is not None, UPDATE=f["update"],
+                STORE_A=f["store_a"],
                 HAS_C=wc is not None, **_launch_args(n_cols))
         weight_grads = _sum_partials(partials, [wa, ba, wb, bb, wc, bc])
         shape = grad_s.shape

@@ -18,6 +18,8 @@ from model.backends import AttentionBackend, TransformerImpl, te_unavailable_rea
 from model.schemes import (
     SCHEME_FIELDS,
     Activation,
+    FirstBlock,
+    InitMethod,
     Normalization,
     PositionEmbedding,
     Recompute,
@@ -73,12 +75,19 @@ class ModelConfig:
     """Longest sequence the model accepts (learned position table size)."""
     normalization: Normalization = Normalization.RMSNORM
     norm_eps: float = 1e-5
+    norm_bias: bool = False
+    """layernorm only: every LayerNorm (Q/K/V head norms included) has a learnable bias. Off
+    by default, as in the official SiameseNorm configs (``include_bias`` false)."""
     activation: Activation = Activation.SWIGLU
     position_embedding: PositionEmbedding = PositionEmbedding.ROPE
     rotary_base: int = 10000
     add_bias_linear: bool = False
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
+    init: InitMethod = InitMethod.NORMAL
+    """normal | full_megatron: how random weights are drawn (model.schemes.InitMethod). Either way
+    every weight is a function of run.seed and its checkpoint key only (model/init.py), so all
+    parallel layouts start from the same model."""
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     attention_backend: AttentionBackend = AttentionBackend.AUTO
@@ -89,14 +98,15 @@ class ModelConfig:
     """auto | local | te: linear layers. te: Transformer Engine's linears, with the norm fused
     into the QKV and fc1 projections in Pre-Norm blocks; local: megatron's. auto: te when TE
     is installed on a CUDA machine, else local. Norms the schemes own stay kernels.norms.Norm."""
-    hybrid_prenorm_first_block: bool = False
-    """hybridnorm and siamese_hybrid: HybridNorm* - block 0 uses a Pre-Norm attention input norm
-    and no post-norm before its MLP."""
+    hybrid_first_block: FirstBlock = FirstBlock.HYBRID
+    """hybridnorm and siamese_hybrid: hybrid | prenorm | prenorm_literal. prenorm is
+    HybridNorm* as the official code computes it; prenorm_literal is SIAMESENORM.md's wording
+    (siamese_hybrid only). The equations are in model/schemes.py FirstBlock."""
     mixln_post_ratio: float = 0.25
     """mixln only: the first floor(ratio * num_layers) blocks are Post-Norm, the rest Pre-Norm."""
     siamese_input_norm: bool = True
     """siamese and siamese_hybrid: false drops the input norms Nin of the merged branch input
-    (the paper's ablation; HybridNorm*'s block-0 attention norm is kept)."""
+    (the paper's ablation)."""
     siamese_depth_constant: bool = True
     """siamese and siamese_hybrid: false sets c_l = 1 (the paper's ablation)."""
 
@@ -139,6 +149,13 @@ class ModelConfig:
         require(self.ffn_size >= 1, f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be "
                  "a positive integer")
         require(self.norm_eps > 0, f"model.norm_eps ({self.norm_eps}) must be > 0")
+        require(not self.norm_bias or self.normalization is Normalization.LAYERNORM,
+                f"model.norm_bias (true) requires model.normalization layernorm "
+                f"(got {self.normalization}): RMSNorm has no bias")
+        require(self.hybrid_first_block is not FirstBlock.PRENORM_LITERAL
+                or self.residual_scheme is ResidualScheme.SIAMESE_HYBRID,
+                f"model.hybrid_first_block (prenorm_literal) is the wording of the two-stream "
+                f"siamese_hybrid; {self.residual_scheme} takes hybrid or prenorm")
         require(self.init_method_std > 0,
                  f"model.init_method_std ({self.init_method_std}) must be > 0")
         for name in ("hidden_dropout", "attention_dropout"):

@@ -35,7 +35,7 @@ def _always(_model: ModelConfig) -> bool:
 
 
 def _with_prenorm_first_block(model: ModelConfig) -> bool:
-    return model.hybrid_prenorm_first_block
+    return model.hybrid_first_block is not FirstBlock.HYBRID
 
 
 @dataclass(frozen=True)
@@ -75,12 +75,12 @@ class ResidualScheme(StrEnum):
     # SiameseNorm hybrid_pre: x follows HybridNorm
     SIAMESE_HYBRID = "siamese_hybrid", Traits(
         two_stream=True, qkv_norm=True, final=FinalNorm.MERGE,
-        fields=(*_SIAMESE_FIELDS, "hybrid_prenorm_first_block"),
+        fields=(*_SIAMESE_FIELDS, "hybrid_first_block"),
         blocks_differ=_with_prenorm_first_block)
     # h <- N(alpha h + F(h)); branch weights initialised down by beta (its own depth scaling)
     DEEPNORM = "deepnorm", Traits(final=FinalNorm.NONE, depth_scaled_output_init=False)
     # QKV-norm attention, Post-Norm around the MLP; final norm
-    HYBRIDNORM = "hybridnorm", Traits(qkv_norm=True, fields=("hybrid_prenorm_first_block",),
+    HYBRIDNORM = "hybridnorm", Traits(qkv_norm=True, fields=("hybrid_first_block",),
                                       blocks_differ=_with_prenorm_first_block)
     # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
     MIXLN = "mixln", Traits(fields=("mixln_post_ratio",), blocks_differ=_always)
@@ -92,6 +92,36 @@ def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:
 
 
 SCHEME_FIELDS = frozenset(f for s in ResidualScheme for f in s.traits.fields)
+
+
+class FirstBlock(StrEnum):
+    """Block 0 of hybridnorm and siamese_hybrid (``model.hybrid_first_block``).
+
+    HybridNorm's "*" variant gives block 0 a Pre-Norm attention. The official SiameseNorm code
+    expresses it as the per-block flag ``{0: {'attn_norm': True, 'ffn_residual': False}}``;
+    SIAMESENORM.md words it "attn norm on, no post-norm before its MLP". The two readings differ
+    in what block 0's MLP reads from x, so both exist, by name.
+    """
+
+    HYBRID = "hybrid"
+    """Block 0 is built like every other block."""
+    PRENORM = "prenorm"
+    """The official code's flag: the attention reads N(x) + Npre(y) (no gate); the MLP reads
+    Nin(N(x) + Npre(y)) while x keeps its un-normalised residual (a Pre-Norm MLP)."""
+    PRENORM_LITERAL = "prenorm_literal"
+    """SIAMESENORM.md's wording (siamese_hybrid only): the attention as ``prenorm``; the MLP
+    reads Nin(x + Npre(y)), with no norm on x at all."""
+
+
+class InitMethod(StrEnum):
+    """How random weights are drawn (``model.init``); the std is ``model.init_method_std``."""
+
+    NORMAL = "normal"
+    """megatron's: normal(0, std); output projections (attention out, fc2) std / sqrt(2 L);
+    the untied output layer std."""
+    FULL_MEGATRON = "full_megatron"
+    """OLMo's ``full_megatron``, the official SiameseNorm runs': as ``normal`` but every draw
+    truncated at +-3 std, and an untied output layer at std 1 / sqrt(hidden_size)."""
 
 
 class Normalization(StrEnum):

@@ -42,22 +42,30 @@ from model.backends import (
     resolve_transformer_impl,
     te_module,
 )
-from model.config import ModelConfig
+from model.config import ModelConfig, require
 from model.layers.base import LayerChoice, SchemeLayerSubmodules
 from model.layers.merge import StreamMergeNorm
-from model.schemes import FinalNorm
+from model.schemes import FinalNorm, Normalization
 from model.sdpa_attention import SDPAttention
 
 
-def plain_norm(backend: NormBackend) -> ModuleSpec:
+def plain_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
     """How every norm in the spec is built: megatron's ``TENorm`` (Transformer Engine's RMSNorm
     or LayerNorm, which tags its own weights for sequence parallelism) for the ``te`` backend,
     else :class:`~kernels.norms.Norm` computing with ``backend`` (torch or triton). Both take
     megatron's norm arguments and keep ``weight``/``bias`` names, so a checkpoint does not
     depend on the choice."""
     if backend is NormBackend.TE:
+        _require_norm_bias_for_te(model, "kernels.norm_backend (te)")
         return ModuleSpec(module=te_module("TENorm"))
-    return ModuleSpec(module=Norm, params={"backend": backend})
+    return ModuleSpec(module=Norm, params={"backend": backend, "bias": model.norm_bias})
+
+
+def _require_norm_bias_for_te(model: ModelConfig, what: str) -> None:
+    """Transformer Engine's LayerNorm always has a bias."""
+    require(model.normalization is Normalization.RMSNORM or model.norm_bias,
+            f"{what} needs model.norm_bias true with layernorm (Transformer Engine's "
+            "LayerNorm always has a bias; got false)")
 
 
 def linear_modules(model: ModelConfig) -> dict:
@@ -65,6 +73,7 @@ def linear_modules(model: ModelConfig) -> dict:
     Engine's plus its fused norm+linear (``norm_column``; None where there is none). TE is looked
     up only when chosen, and choosing it is only valid with CUDA (``model.backends``)."""
     if resolve_transformer_impl(model.transformer_impl) is TransformerImpl.TE:
+        _require_norm_bias_for_te(model, "model.transformer_impl (te)")
         return {"column": te_module("TEColumnParallelLinear"),
                 "row": te_module("TERowParallelLinear"),
                 "norm_column": te_module("TELayerNormColumnParallelLinear")}
@@ -84,7 +93,7 @@ def attention_spec(model: ModelConfig, backend: NormBackend,
     """Self-attention (with per-head Q/K/V norms for QKV-norm schemes). ``fuse_input_norm``:
     the QKV projection applies the block's input norm itself (the layer's must be IdentityOp)."""
     qkv_norm = model.residual_scheme.traits.qkv_norm
-    head_norm = plain_norm(backend) if qkv_norm else IdentityOp
+    head_norm = plain_norm(model, backend) if qkv_norm else IdentityOp
     linears = linear_modules(model)
     return ModuleSpec(
         module=QKVNormSelfAttention if qkv_norm else SelfAttention,
@@ -120,7 +129,7 @@ def pre_norm_layer_spec(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
     """megatron's own Pre-Norm TransformerLayer. With TE linears its input and pre-MLP norms are
     fused into the QKV and fc1 projections (TE's LayerNormLinear), as in megatron's TE spec."""
     fused = linear_modules(model)["norm_column"] is not None
-    norm = IdentityOp if fused else plain_norm(backend)
+    norm = IdentityOp if fused else plain_norm(model, backend)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -151,7 +160,7 @@ def layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSp
         params={**params, "backend": backend},
         submodules=SchemeLayerSubmodules(
             self_attention=attention_spec(model, backend), mlp=mlp_spec(model),
-            norm=plain_norm(backend),
+            norm=plain_norm(model, backend),
         ),
     )
 
@@ -161,8 +170,8 @@ def final_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec | None:
     final = model.residual_scheme.traits.final
     if final is FinalNorm.MERGE:
         return ModuleSpec(module=StreamMergeNorm,
-                          params={"norm": plain_norm(backend), "backend": backend})
-    return None if final is FinalNorm.NONE else plain_norm(backend)
+                          params={"norm": plain_norm(model, backend), "backend": backend})
+    return None if final is FinalNorm.NONE else plain_norm(model, backend)
 
 
 def block_spec(model: ModelConfig, config, vp_stage: int | None, pp_rank: int,

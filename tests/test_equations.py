@@ -22,16 +22,17 @@ SCHEMES = [
     ("post", {}),
     ("siamese", {}),
     ("siamese_hybrid", {}),
-    ("siamese_hybrid", {"hybrid_prenorm_first_block": True}),
+    ("siamese_hybrid", {"hybrid_first_block": "prenorm"}),
+    ("siamese_hybrid", {"hybrid_first_block": "prenorm_literal"}),
     ("deepnorm", {}),
     ("hybridnorm", {}),
-    ("hybridnorm", {"hybrid_prenorm_first_block": True}),
+    ("hybridnorm", {"hybrid_first_block": "prenorm"}),
     ("mixln", {}),
     ("mixln", {"mixln_post_ratio": 0.75}),
     ("siamese", {"siamese_input_norm": False}),
     ("siamese", {"siamese_depth_constant": False}),
     ("siamese_hybrid", {"siamese_input_norm": False, "siamese_depth_constant": False}),
-    ("siamese_hybrid", {"siamese_input_norm": False, "hybrid_prenorm_first_block": True}),
+    ("siamese_hybrid", {"siamese_input_norm": False, "hybrid_first_block": "prenorm"}),
 ]
 
 
@@ -47,7 +48,8 @@ class Reference:
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * w
         mu = x.mean(-1, keepdim=True)
         var = (x - mu).pow(2).mean(-1, keepdim=True)
-        return (x - mu) / torch.sqrt(var + self.eps) * w + self.p[f"{name}.bias"]
+        out = (x - mu) / torch.sqrt(var + self.eps) * w
+        return out + self.p[f"{name}.bias"] if self.cfg.norm_bias else out
 
     def rope(self, t):
         s, d = t.shape[1], t.shape[-1]
@@ -99,7 +101,7 @@ class Reference:
             def n(name, i=i):
                 return f"decoder.layers.{i}.{name}"
             c = math.sqrt(2 * (i + 1)) if cfg.siamese_depth_constant else 1.0
-            star = cfg.hybrid_prenorm_first_block and i == 0
+            star = cfg.hybrid_first_block != "hybrid" and i == 0  # HybridNorm*'s block 0
 
             def n_in(v, name):  # SiameseNorm's Nin; the identity in the ablation without it
                 return self.norm(v, name) if cfg.siamese_input_norm else v
@@ -122,15 +124,22 @@ class Reference:
                     r = self.branch(k, n_in(u + self.norm(y, n(f"{k}_norms.pre")),
                                             n(f"{k}_norms.inp")), i)
                     x, y = u + r / c, y + r
+                elif star:  # siamese_hybrid's block 0 under HybridNorm*: x is never replaced
+                    if k == "attn":
+                        a = self.norm(x, n("attn_x_norm")) + self.norm(y, n("attn_pre_norm"))
+                        r = self.branch(k, a, i, qkv_norm=True)
+                    else:
+                        xin = (self.norm(x, n("mlp_x_norm"))
+                               if cfg.hybrid_first_block == "prenorm" else x)
+                        r = self.branch(k, n_in(xin + self.norm(y, n("mlp_pre_norm")),
+                                                n("mlp_in_norm")), i)
+                    x, y = x + r / c, y + r
                 else:  # siamese_hybrid
                     if k == "attn":
                         a = x * self.p[n("attn_gate.weight")] + self.norm(y, n("attn_pre_norm"))
-                        if star:
-                            a = self.norm(a, n("attn_in_norm"))
                         r = self.branch(k, a, i, qkv_norm=True)
                     else:
-                        if not star:
-                            x = self.norm(x, n("mlp_norms.post"))
+                        x = self.norm(x, n("mlp_norms.post"))
                         r = self.branch(k, n_in(x + self.norm(y, n("mlp_norms.pre")),
                                                 n("mlp_norms.inp")), i)
                     x, y = x + r / c, y + r
@@ -148,11 +157,12 @@ def rel_err(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm", "layernorm+bias"])
 @pytest.mark.parametrize("scheme,extra", SCHEMES, ids=lambda v: str(v) if v else "")
 def test_logits_and_grads_match_equations(single_rank, device, scheme, extra, normalization):
     torch.manual_seed(0)
-    cfg = tiny_model(scheme, normalization=normalization, **extra)
+    kind, _, bias = normalization.partition("+")
+    cfg = tiny_model(scheme, normalization=kind, norm_bias=bias == "bias", **extra)
     [model] = build_model(cfg, ParallelConfig())
     # Perturb every norm weight and gate away from 1 so a misplaced norm cannot hide.
     with torch.no_grad():

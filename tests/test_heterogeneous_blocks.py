@@ -16,8 +16,8 @@ from tests.helpers import tiny_model
 
 @pytest.mark.parametrize("scheme,extra", [
     ("mixln", {"mixln_post_ratio": 0.5}),
-    ("hybridnorm", {"hybrid_prenorm_first_block": True}),
-    ("siamese_hybrid", {"hybrid_prenorm_first_block": True}),
+    ("hybridnorm", {"hybrid_first_block": "prenorm"}),
+    ("siamese_hybrid", {"hybrid_first_block": "prenorm"}),
 ], ids=["mixln", "hybridnorm*", "siamese_hybrid*"])
 def test_checkpoint_round_trip(single_rank, scheme, extra, tmp_path):
     cfg = tiny_model(scheme, **extra)

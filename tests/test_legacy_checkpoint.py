@@ -1,10 +1,12 @@
 """Checkpoints written before the model code was restructured still load and compute the same.
 
 ``tests/fixtures/legacy`` holds tiny run checkpoints (siamese with LayerNorm, and
-siamese_hybrid with HybridNorm*'s Pre-Norm block 0) written by the code of that time through
-the real save path, with the logits that code computed on fixed tokens. Today's code must
-accept them (identity check), load every tensor strictly (model, optimizer, scheduler) and
-compute those logits again, with each norm backend it can run here.
+siamese_hybrid with the HybridNorm* block 0 of that time) written by the code of that time
+through the real save path, with the logits that code computed on fixed tokens. Today's code
+must accept the siamese one (identity check; its LayerNorms have biases, recorded before
+``model.norm_bias`` existed), load every tensor strictly (model, optimizer, scheduler) and
+compute those logits again. The HybridNorm* block 0 of that time is no longer built (the
+official code's is): that checkpoint must be refused by name, not loaded into another model.
 """
 
 import json
@@ -16,17 +18,20 @@ import torch
 from model.builder import build_model, wrap_ddp
 from pretrain import checkpoint
 from pretrain.config import Config
+from pretrain import identity
 from pretrain.identity import model_identity
+from runtime.errors import CheckpointError
 from pretrain.optim import build_optimizer
 from pretrain.start import weights_source
 from runtime import weights
 from tests.fixtures.make_legacy_checkpoints import FIXTURES, TOKENS, config_for, logits
 
 NAMES = ["siamese", "siamese_hybrid_star"]
+LOADABLE = ["siamese"]
 
 
 def config_of(name: str) -> Config:
-    return config_for(json.loads((FIXTURES / name / "model.json").read_text()))
+    return config_for(identity.upgraded(json.loads((FIXTURES / name / "model.json").read_text())))
 
 
 def recorded_logits(name: str, device) -> torch.Tensor:
@@ -41,7 +46,23 @@ def test_fixture_is_a_real_checkpoint(name):
     assert record["world_size"] == 1 and record["model"]["residual_scheme"] in name
 
 
-@pytest.mark.parametrize("name", NAMES)
+def test_retired_hybridnorm_star_block_is_refused_by_name():
+    fields = json.loads((FIXTURES / "siamese_hybrid_star" / "model.json").read_text())
+    del fields["hybrid_prenorm_first_block"]
+    today = config_for({**fields, "hybrid_first_block": "prenorm"})
+    with pytest.raises(CheckpointError, match=r"model\.hybrid_first_block \('gated .*'prenorm'"):
+        weights_source(str(FIXTURES / "siamese_hybrid_star"), model_identity(today))
+
+
+def test_legacy_layernorm_identity_needs_norm_bias():
+    """The LayerNorm fixture has biases: a model without them is refused by name."""
+    config = config_of("siamese")
+    config.model.norm_bias = False
+    with pytest.raises(CheckpointError, match=r"model\.norm_bias \(True in the checkpoint"):
+        weights_source(str(FIXTURES / "siamese"), model_identity(config))
+
+
+@pytest.mark.parametrize("name", LOADABLE)
 def test_legacy_weights_compute_the_recorded_logits(name, single_rank, device):
     config = config_of(name)
     found = weights_source(str(FIXTURES / name), model_identity(config))
@@ -54,7 +75,7 @@ def test_legacy_weights_compute_the_recorded_logits(name, single_rank, device):
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", LOADABLE)
 def test_legacy_checkpoint_resumes(name, single_rank, device):
     config = config_of(name)
     found = checkpoint.find(FIXTURES / name)

@@ -11,7 +11,7 @@ from tests.helpers import MBS, SEQ, batches, tiny_model
 
 @pytest.mark.parametrize("scheme,extra", [
     ("siamese", {}), ("siamese_hybrid", {}),
-    ("siamese_hybrid", {"hybrid_prenorm_first_block": True}),
+    ("siamese_hybrid", {"hybrid_first_block": "prenorm"}),
 ])
 def test_every_norm_and_gate_gets_gradient(single_rank, scheme, extra):
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 SHAPES = [(1, 3), (5, 48), (3, 100), (4, 130)]  # (rows, hidden)
-KINDS = ["RMSNorm", "LayerNorm"]
+KINDS = ["RMSNorm", "LayerNorm", "LayerNorm-nobias"]  # megatron's names; model.norm_bias
 DTYPES = [torch.float32, torch.bfloat16]
 TRITON, TORCH = NormBackend.TRITON, NormBackend.TORCH
 
@@ -49,11 +49,18 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+def norm_spec(kind: str, hidden: int, dtype: torch.dtype, backend: NormBackend):
+    """(megatron config, Norm spec) of a ``KINDS`` entry."""
+    normalization, _, bias = kind.partition("-")
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
+                               normalization=normalization, params_dtype=dtype)
+    return config, ModuleSpec(module=Norm, params={"backend": backend, "bias": bias != "nobias"})
+
+
 def norm_builder(kind: str, hidden: int, dtype: torch.dtype, backend: NormBackend):
     """A builder of Norm modules with ``backend``, as a layer's ``build_norm``."""
-    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
-                               normalization=kind, params_dtype=dtype)
-    return lambda: Norm(config, hidden_size=hidden, eps=1e-5, backend=backend).to(DEVICE)
+    config, spec = norm_spec(kind, hidden, dtype, backend)
+    return lambda: spec.module(config, hidden_size=hidden, eps=1e-5, **spec.params).to(DEVICE)
 
 
 def perturbed(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -108,9 +115,7 @@ def sublayer(kind, hidden, dtype, input_norm=True):
 def merge(kind, hidden, dtype):
     """Builds the final merge with a given backend (the same weights under each)."""
     def build(backend):
-        config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
-                                   normalization=kind, params_dtype=dtype)
-        norm = ModuleSpec(module=Norm, params={"backend": backend})
+        config, norm = norm_spec(kind, hidden, dtype, backend)
         return perturbed(StreamMergeNorm(config, hidden, 1e-5, norm=norm,
                                          backend=backend).to(DEVICE))
     return build
@@ -169,8 +174,10 @@ def test_dual_update_into_packed(rows, hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows,hidden", SHAPES)
+@pytest.mark.parametrize("rows,hidden,kind", [
+    # Not 3 wide without a bias: Nfinal then normalises the sum of two zero-mean 3-vectors,
+    # whose variance can be tiny, and fp32 rounding is amplified past the tolerance.
+    (r, h, k) for (r, h) in SHAPES for k in KINDS if not (h < 8 and k.endswith("nobias"))])
 def test_stream_merge(rows, hidden, kind, dtype):
     [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
     assert_parity(merge(kind, hidden, dtype), lambda t, m: [m(t[0])], [packed], dtype)
@@ -191,7 +198,8 @@ def test_unknown_norm_module_keeps_the_composition():
 
 @pytest.mark.parametrize("scheme,extra", [
     ("siamese", {}), ("siamese", {"siamese_input_norm": False}),
-    ("siamese_hybrid", {}), ("siamese_hybrid", {"hybrid_prenorm_first_block": True}),
+    ("siamese_hybrid", {}), ("siamese_hybrid", {"hybrid_first_block": "prenorm"}),
+    ("siamese", {"normalization": "layernorm", "norm_bias": True}),
 ])
 @pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm"])
 def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme, extra,
@@ -205,7 +213,7 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
             calls[fn.__name__] += 1
             return apply(*args)
         monkeypatch.setattr(fn, "apply", counted)
-    cfg = tiny_model(scheme, num_layers=2, normalization=normalization, **extra)
+    cfg = tiny_model(scheme, num_layers=2, **{"normalization": normalization, **extra})
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     results = _torch_and_triton(cfg, tokens.to(device), calls)
     (loss_t, grads_t, calls_t), (loss_f, grads_f, calls_f) = results
@@ -216,7 +224,7 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     # HybridNorm*'s block 0 none) and the packed update, plus the merge; the remaining norms
     # (siamese_hybrid's Npre_attn, QKV head norms, HybridNorm*'s block-0 norms) are triton's.
     per_block = [2 if scheme == "siamese" else 1] * 2
-    if extra.get("hybrid_prenorm_first_block"):
+    if extra.get("hybrid_first_block"):
         per_block[0] = 0
     assert calls_f["EntryFunction"] == sum(per_block) + 1, calls_f
     assert calls_f["DualUpdateFunction"] == 2, calls_f

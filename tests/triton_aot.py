@@ -57,7 +57,7 @@ def _arg_type(value) -> str:
 
 def record_launches() -> list:
     """Run each fused op, forward and backward, as the model calls it (bf16 and fp32,
-    RMSNorm and LayerNorm), and return the kernel launches they make."""
+    RMSNorm, LayerNorm with and without bias), and return the kernel launches they make."""
     launches: list = []
     names = ("norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd")
     originals = {n: getattr(triton_kernels, n) for n in names}
@@ -65,21 +65,21 @@ def record_launches() -> list:
         setattr(triton_kernels, name, _Recorder(name, launches))
     try:
         for dtype in (torch.bfloat16, torch.float32):
-            for is_rms in (True, False):
-                _run_ops(dtype, is_rms)
+            for is_rms, has_bias in ((True, False), (False, True), (False, False)):
+                _run_ops(dtype, is_rms, has_bias)
     finally:
         for name, kernel in originals.items():
             setattr(triton_kernels, name, kernel)
     return launches
 
 
-def _run_ops(dtype: torch.dtype, is_rms: bool) -> None:
+def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool) -> None:
     def t(*shape):
         return torch.ones(*shape, dtype=dtype, requires_grad=True)
 
     x, y, r = t(2, HIDDEN), t(2, HIDDEN), t(2, HIDDEN)
     w = [t(HIDDEN) for _ in range(3)]
-    b = [None] * 3 if is_rms else [t(HIDDEN) for _ in range(3)]
+    b = [t(HIDDEN) for _ in range(3)] if has_bias else [None] * 3
     eps = 1e-5
     outputs = [
         triton_ops.NormFunction.apply(x, w[0], b[0], eps, is_rms),

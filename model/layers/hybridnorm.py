@@ -8,9 +8,10 @@ For every block (the x-stream recipe of SiameseNorm's hybrid_pre, without y):
 
 The last block's output is not normalised, so a final norm closes the decoder.
 
-HybridNorm* (``hybrid_prenorm_first_block``) makes block 0 a Pre-Norm block that keeps the
-QKV-norm attention: h = h + Attn(N_attn(h)); h = h + MLP(N_mlp(h)): megatron's own Pre-Norm
-layer (``layer`` returns None for it).
+HybridNorm* (``model.hybrid_first_block = "prenorm"``, as the official code's flag
+``{0: {'attn_norm': True, 'ffn_residual': False}}``) makes block 0 a Pre-Norm block that keeps
+the QKV-norm attention: h = h + Attn(N_attn(h)); h = h + MLP(N_mlp(h)): megatron's own
+Pre-Norm layer (``layer`` returns None for it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from model.config import ModelConfig
 from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
+from model.schemes import FirstBlock
 
 
 class HybridNormLayer(SchemeLayer):
@@ -33,6 +35,6 @@ class HybridNormLayer(SchemeLayer):
 
 
 def layer(model: ModelConfig, index: int) -> LayerChoice:
-    if model.hybrid_prenorm_first_block and index == 0:
+    if index == 0 and model.hybrid_first_block is FirstBlock.PRENORM:
         return None
     return HybridNormLayer, {}

@@ -10,12 +10,18 @@ Pre-Norm. For global block l, with c_l = sqrt(2 (l + 1)):
                 r = MLP( Nin_mlp( u + Npre_mlp(y) ) )
                 x = u + r / c_l ;  y = y + r
 
-HybridNorm* (``hybrid_prenorm_first_block``): block 0 gives its attention a Pre-Norm input
-norm, a = Nin_attn(x * g + Npre_attn(y)), and has no Npost_mlp, keeping x's residual intact.
+HybridNorm* (``model.hybrid_first_block``, model.schemes.FirstBlock) changes block 0 only, as
+the official code's flag ``{0: {'attn_norm': True, 'ffn_residual': False}}`` does:
 
-Fusion (triton backend): the attention's update and the MLP's entry are one pass where the
-block has Npost_mlp; the MLP's update is one pass writing the packed output. The gated
-attention entry is no norm trio and stays plain torch.
+    attention:  a = Nx_attn(x) + Npre_attn(y)        # x normalised alone; no gate
+    MLP:        r = MLP( Nin_mlp( Nx_mlp(x) + Npre_mlp(y) ) )
+                x = x + r / c_0 ;  y = y + r         # x keeps its un-normalised residual
+
+(``prenorm``); ``prenorm_literal``, SIAMESENORM.md's wording, has no Nx_mlp.
+
+Fusion (triton backend): the attention's update and the MLP's entry are one pass; the MLP's
+update is one pass writing the packed output. The gated attention entry is no norm trio and
+stays plain torch, as does HybridNorm*'s block 0 (one block of the model).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from kernels.norms import mark_sequence_parallel
 from model.config import ModelConfig
 from model.layers.base import BranchInputs, LayerChoice
 from model.layers.two_stream import TwoStreamLayer, siamese_params
+from model.schemes import FirstBlock
 
 
 class ChannelGate(torch.nn.Module):
@@ -42,24 +49,45 @@ class ChannelGate(torch.nn.Module):
 
 
 class SiameseHybridLayer(TwoStreamLayer):
-    def __init__(self, config, submodules, *args, prenorm_first_block: bool = False, **kwargs):
+    def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        prenorm_block = prenorm_first_block and self.layer_number == 1
         self.attn_gate = ChannelGate(self.config, self.config.hidden_size)
         self.attn_pre_norm = self.build_norm()
-        self.attn_in_norm = self.build_norm() if prenorm_block else IdentityOp()
-        self.mlp_norms = self.sublayer_norms(post=not prenorm_block)
+        self.mlp_norms = self.sublayer_norms()
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
         x, y = self.streams_in(hidden_states)
-        a = self.attn_in_norm(self.attn_gate(x) + self.attn_pre_norm(y))
-        r = self.attention(a, inputs)
+        r = self.attention(self.attn_gate(x) + self.attn_pre_norm(y), inputs)
         u, y, s = self.mlp_norms.update_entry(x, y, r, self.c)   # x = x + r/c, y += r; entry
         r = self.feed_forward(s, inputs)
         return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed
 
 
+class HybridNormStarFirstBlock(TwoStreamLayer):
+    """Block 0 under HybridNorm*: Pre-Norm-style reads of x, whose residual is never replaced.
+    ``mlp_x_norm``: whether the MLP reads Nx_mlp(x) (the official code) or x itself."""
+
+    def __init__(self, config, submodules, *args, mlp_x_norm: bool = True, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.attn_x_norm = self.build_norm()
+        self.attn_pre_norm = self.build_norm()
+        self.mlp_x_norm = self.build_norm() if mlp_x_norm else IdentityOp()
+        self.mlp_pre_norm = self.build_norm()
+        self.mlp_in_norm = self.build_norm() if self.input_norm else IdentityOp()
+
+    def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
+        x, y = self.streams_in(hidden_states)
+        r = self.attention(self.attn_x_norm(x) + self.attn_pre_norm(y), inputs)
+        x, y = x + r / self.c, y + r
+        r = self.feed_forward(self.mlp_in_norm(self.mlp_x_norm(x) + self.mlp_pre_norm(y)),
+                              inputs)
+        return self.streams_out(x, y, r)
+
+
 def layer(model: ModelConfig, index: int) -> LayerChoice:
-    """Every block is a SiameseHybridLayer (block 0 is HybridNorm*'s with the flag)."""
-    return SiameseHybridLayer, {**siamese_params(model),
-                                "prenorm_first_block": model.hybrid_prenorm_first_block}
+    """SiameseHybridLayer everywhere but HybridNorm*'s block 0."""
+    params = siamese_params(model)
+    if index == 0 and model.hybrid_first_block is not FirstBlock.HYBRID:
+        literal = model.hybrid_first_block is FirstBlock.PRENORM_LITERAL
+        return HybridNormStarFirstBlock, {**params, "mlp_x_norm": not literal}
+    return SiameseHybridLayer, params
