@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 
 from kernels.backend import NormBackend, resolve
 from model.config import ModelConfig, ParallelConfig
+from model.init import initialize
 from model.megatron_config import transformer_config
 from model.spec import block_spec
 from runtime import device
@@ -27,10 +28,13 @@ from runtime.grads import finalize_grads
 
 def build_model(
     model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
-    norm_backend: NormBackend | str = NormBackend.AUTO,
+    norm_backend: NormBackend | str = NormBackend.AUTO, seed: int | None = None,
 ) -> list[GPTModel]:
     """The chunks of ``model`` this rank holds. ``norm_backend`` (``kernels.norm_backend``) is
-    resolved here, once, and every norm of the model computes with it."""
+    resolved here, once, and every norm of the model computes with it. The initial weights are
+    a function of ``seed`` (default: the seed torch was last seeded with) and ``model`` only
+    (``model.init``), whatever the layout."""
+    seed = torch.initial_seed() if seed is None else seed
     backend = resolve(norm_backend)
     config = transformer_config(model, parallel, params_dtype)
     config.finalize_model_grads_func = finalize_grads
@@ -52,12 +56,13 @@ def build_model(
             rotary_base=model.rotary_base,
             vp_stage=vp_stage,
         )
-        # Weights are drawn on the CPU (use_cpu_initialization) so every layout starts alike,
-        # then move to the device this process computes on. A model built on the meta device
-        # (shapes only) stays there.
-        if not any(p.is_meta for p in chunk.parameters()):
-            chunk.to(device.compute_device())
         chunks.append(chunk)
+    # Weights are drawn on the CPU, then move to the device this process computes on. A model
+    # built on the meta device (shapes only) stays there.
+    if not any(p.is_meta for chunk in chunks for p in chunk.parameters()):
+        initialize(chunks, model, seed)
+        for chunk in chunks:
+            chunk.to(device.compute_device())
     return chunks
 
 

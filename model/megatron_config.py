@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import init_method_normal
 
 from model.config import ModelConfig, ParallelConfig, validate_layout
 from model.schemes import Activation, Recompute
@@ -17,8 +16,9 @@ def transformer_config(
     """Build megatron's TransformerConfig; the only place its fields are chosen.
 
     Choices that are not obvious:
-    - ``use_cpu_initialization``: weights are drawn whole from one seeded generator and then
-      sliced, so every TP layout starts from the same model.
+    - ``use_cpu_initialization``: megatron builds the weights on the CPU; ``model/init.py``
+      then redraws every random one from the seed and its global name (layout-independent),
+      and the builder moves the model to its device.
     - ``variable_seq_lengths`` for two-stream schemes under PP: stages exchange the packed
       [s, b, 2h] tensor, but both pipeline schedules size their receive buffers from
       ``hidden_size``; exchanging shapes first is the one mechanism both schedules honour.
@@ -26,8 +26,6 @@ def transformer_config(
       wrong results with interleaving on gloo.
     - ``qk_layernorm`` for Q/K/V-norm schemes: it makes megatron sum the per-head norm
       gradients across TP ranks (every rank normalises different heads with shared weights).
-    - ``output_layer_init_method``: megatron's std / sqrt(2 num_layers) for output projections,
-      except for DeepNorm, whose beta replaces it (``model.layers.deepnorm``).
     - ``hetereogenous_dist_checkpoint`` (sic) when blocks differ: megatron's checkpoint stacks
       each parameter over the blocks, which needs every block to hold it; per-block keys (by
       global index) still reshard across PP layouts.
@@ -52,8 +50,6 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
-        output_layer_init_method=None if traits.depth_scaled_output_init
-        else init_method_normal(model.init_method_std),
         qk_layernorm=traits.qkv_norm,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,

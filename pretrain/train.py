@@ -96,13 +96,16 @@ def _mean_loss(per_batch: list[list[torch.Tensor]]) -> float:
 
 
 def evaluate(config: Config, chunks, dataset) -> dict:
-    """Mean validation loss over run.eval_iters global batches, and its perplexity."""
+    """Mean validation loss over the whole validation set (data.valid_samples sequences from
+    its start, in full global batches, so the mean of batch means is the mean over
+    sequences), its perplexity, and the set's size (logged with them, so a number is never
+    read without the set it was measured on)."""
     d = config.data
     for chunk in chunks:
         chunk.eval()
     per_batch = []
     with torch.no_grad():
-        for i in range(config.run.eval_iters):
+        for i in range(d.valid_samples // d.global_batch_size):
             batch = step_microbatches(dataset, i * d.global_batch_size, d.global_batch_size,
                                       d.micro_batch_size)
             n = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
@@ -111,7 +114,8 @@ def evaluate(config: Config, chunks, dataset) -> dict:
     for chunk in chunks:
         chunk.train()
     loss = _mean_loss(per_batch)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0))}
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)),
+            "val_samples": d.valid_samples}
 
 
 def weights_finite(chunks) -> bool:
@@ -151,7 +155,8 @@ def setup(config: Config) -> list:
         device.make_deterministic()
     parallel.initialize(config.parallel, seed=config.run.seed)
     dtype = params_dtype(config)
-    chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend)
+    chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend,
+                         seed=config.run.seed)
     if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     return wrap_ddp(chunks, config.parallel)
@@ -232,7 +237,7 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
         record = {**identity_record, "position": at(step)._asdict()}
         checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last, record)
 
-    if start == 0 and r.eval_iters:
+    if start == 0 and d.valid_samples:
         validation(0)
     progress.begin()  # after the first validation: the ETA counts training steps only
     bad_in_a_row = skipped = 0
@@ -276,7 +281,7 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
                 f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
                 f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
                 f"{checkpoint.latest_text(ckpt_root)}")
-        if r.eval_iters and step % r.eval_interval == 0 and step < r.steps:
+        if d.valid_samples and step % r.eval_interval == 0 and step < r.steps:
             validation(step)
         stopping = status.stop
         if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
@@ -292,7 +297,7 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
             metrics.finish()
             return {"stopped_at": step}
     progress.close()
-    final = validation(step) if r.eval_iters else {}
+    final = validation(step) if d.valid_samples else {}
     metrics.finish()
     return final
 

@@ -101,3 +101,27 @@ def run_optimizer_step(scheme: str, workdir: str, distributed: bool) -> None:
         with open(os.path.join(workdir, "grad_norm.json"), "w") as f:
             json.dump(grad_norm, f)
     parallel.destroy()
+
+
+def run_fresh(layout: dict, cases: dict[str, tuple[str, dict]], workdir: str,
+              seed: int) -> None:
+    """Build each case's model fresh from ``seed`` in ``layout`` (no weights loaded), write its
+    step-1 loss and its initial weights (unsharded through the checkpoint format)."""
+    par = ParallelConfig(distributed_optimizer=False, **layout)
+    parallel.initialize(par, seed=seed + 1)  # the model's seed is build_model's, not torch's
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    for name, (scheme, overrides) in cases.items():
+        folder = os.path.join(workdir, name)
+        chunks = wrap_ddp(build_model(tiny_model(scheme, **overrides), par,
+                                      norm_backend="torch", seed=seed), par)
+        weights.save(chunks, os.path.join(folder, "weights"))
+        mine = batches(MICROBATCHES)[dp_rank::dp]
+        losses = [float(loss) for loss in forward_backward(chunks, mine, len(mine), SEQ, MBS)]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, losses)
+        if dist.get_rank() == 0:
+            per_rank = [losses for losses in gathered if losses]
+            with open(os.path.join(folder, "loss.json"), "w") as f:
+                json.dump(sum(map(sum, per_rank)) / sum(map(len, per_rank)), f)
+    parallel.destroy()

@@ -1,0 +1,97 @@
+"""A fresh model is a function of the seed and the config only, whatever the layout.
+
+Each layout builds the model from the seed alone (no weights loaded) in spawned gloo ranks; its
+initial weights, read back unsharded through the checkpoint format, must equal the
+single-process model's exactly, and its step-1 loss must match. The in-process tests check
+the distributions ``model.init`` promises (model/init.py).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from model.builder import build_model, wrap_ddp
+from model.config import ParallelConfig
+from runtime import weights
+from runtime.schedule import forward_backward
+from tests.helpers import MBS, SEQ, batches, spawn, tiny_model
+from tests.parity_worker import MICROBATCHES, run_fresh
+
+SEED = 1234
+CASES = {  # name: (scheme, model fields)
+    "siamese": ("siamese", {}),
+    # tied embeddings: under PP the last stage's output layer is a copy of stage 0's embedding
+    "hybrid-tied-olmo": ("siamese_hybrid", {"init": "full_megatron",
+                                            "untie_embeddings_and_output_weights": False}),
+    "deepnorm": ("deepnorm", {}),
+}
+LAYOUTS = {"pp2": (2, dict(pp=2)), "pp2-vp2": (2, dict(pp=2, vp=2)),
+           "tp2-pp2": (4, dict(tp=2, pp=2))}
+PAR = ParallelConfig(distributed_optimizer=False)
+
+
+def single_process(scheme: str, overrides: dict) -> tuple[float, dict]:
+    chunks = wrap_ddp(build_model(tiny_model(scheme, **overrides), PAR, norm_backend="torch",
+                                  seed=SEED), PAR)
+    losses = forward_backward(chunks, batches(MICROBATCHES), MICROBATCHES, SEQ, MBS)
+    params = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
+    return float(sum(losses)) / len(losses), params
+
+
+@pytest.fixture(scope="module")
+def expected(single_rank):
+    return {name: single_process(*case) for name, case in CASES.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fresh_layout_starts_from_the_single_process_model(expected, layout, tmp_path):
+    world, fields = LAYOUTS[layout]
+    spawn(world, run_fresh, fields, CASES, str(tmp_path), SEED)
+    for name, (scheme, overrides) in CASES.items():
+        ref_loss, ref_params = expected[name]
+        [model] = build_model(tiny_model(scheme, **overrides), PAR, norm_backend="torch",
+                              seed=SEED + 99)  # other weights, overwritten by the load
+        weights.load([model], str(tmp_path / name / "weights"))
+        for param_name, param in model.named_parameters():
+            assert torch.equal(param.detach(), ref_params[param_name]), (name, param_name)
+        loss = json.loads((tmp_path / name / "loss.json").read_text())
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, loss, ref_loss)
+
+
+def test_same_seed_same_model_other_seed_other_model(single_rank):
+    cfg = tiny_model("siamese")
+    a, b, c = (dict(build_model(cfg, PAR, seed=s)[0].named_parameters()) for s in (5, 5, 6))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert not torch.equal(a["decoder.layers.0.self_attention.linear_qkv.weight"],
+                           c["decoder.layers.0.self_attention.linear_qkv.weight"])
+
+
+@pytest.mark.parametrize("method", ["normal", "full_megatron"])
+def test_init_distributions(single_rank, method):
+    """std per weight kind, megatron's depth scaling of output projections, the output layer
+    rule, and full_megatron's truncation at 3 std (a normal draw this size passes 3 std)."""
+    cfg = tiny_model("pre", hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                     ffn_hidden_size=256, vocab_size=4096, num_layers=8, init=method,
+                     init_method_std=0.05)
+    params = dict(build_model(cfg, PAR, seed=3)[0].named_parameters())
+    std = cfg.init_method_std
+    output_std = 64 ** -0.5 if method == "full_megatron" else std
+    wanted = {"embedding.word_embeddings.weight": std,
+              "output_layer.weight": output_std,
+              "decoder.layers.0.self_attention.linear_qkv.weight": std,
+              "decoder.layers.0.mlp.linear_fc1.weight": std,
+              "decoder.layers.0.mlp.linear_fc2.weight": std / math.sqrt(2 * cfg.num_layers)}
+    for key, sigma in wanted.items():
+        values = params[key].detach().double()
+        truncated = method == "full_megatron"
+        # a normal truncated at 3 sigma has std 0.9866 sigma
+        assert values.std().item() == pytest.approx(sigma * (0.9866 if truncated else 1), rel=0.05)
+        peak = values.abs().max().item()
+        assert (peak <= 3 * sigma + 1e-7) if truncated else (peak > 3 * sigma), (key, peak)
+    for name, param in params.items():
+        if "norm" in name:
+            assert bool((param == 1).all()), name
