@@ -59,8 +59,8 @@ class ModelConfig:
     """Shape and residual scheme of a decoder-only transformer."""
 
     residual_scheme: ResidualScheme = ResidualScheme.SIAMESE
-    """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln (each scheme's
-    equations are in its layer's docstring, model/layers)."""
+    """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln | hc (each
+    scheme's equations are in its layer's docstring, model/layers)."""
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -109,6 +109,11 @@ class ModelConfig:
     (the paper's ablation)."""
     siamese_depth_constant: bool = True
     """siamese and siamese_hybrid: false sets c_l = 1 (the paper's ablation)."""
+    hc_rate: int = 4
+    """hc only: the expansion rate n, the number of residual streams."""
+    hc_dynamic: bool = True
+    """hc only: true for dynamic hyper-connections (per-token weights, the paper's DHC),
+    false for the static ones."""
 
     def __post_init__(self) -> None:
         coerce_choices("model", self)
@@ -126,6 +131,11 @@ class ModelConfig:
         """Whether some blocks hold other parameters than the rest (Mix-LN's split, HybridNorm*'s
         block 0), so checkpoints key each block by its global index instead of stacking them."""
         return self.residual_scheme.traits.blocks_differ(self)
+
+    @property
+    def residual_streams(self) -> int:
+        """Residual streams the activations between blocks carry ([s, b, n h])."""
+        return self.residual_scheme.traits.streams(self)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -170,6 +180,9 @@ class ModelConfig:
             require((self.hidden_size // self.num_attention_heads) % 2 == 0,
                      f"model.hidden_size / model.num_attention_heads "
                      f"({self.hidden_size // self.num_attention_heads}) must be even for rope")
+        require(isinstance(self.hc_rate, int) and not isinstance(self.hc_rate, bool)
+                and self.hc_rate >= 1, f"model.hc_rate ({self.hc_rate!r}) must be a positive "
+                "integer")
         ratio = self.mixln_post_ratio
         require(isinstance(ratio, int | float) and not isinstance(ratio, bool)
                  and 0.0 <= ratio <= 1.0, f"model.mixln_post_ratio ({ratio!r}) must be in [0, 1]")

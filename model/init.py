@@ -24,12 +24,14 @@ The rules (``model.init``, :class:`~model.schemes.InitMethod`; std = ``model.ini
 
 A scheme's file may define ``scale_init(model, key, weight)`` to rescale a drawn global tensor
 in place (DeepNorm's beta); it sees the whole tensor, so the scaling is layout-independent too.
+It may list in ``FIXED_INIT`` the key suffixes of parameters it sets from the config and the
+global block index alone (hyper-connections' one-hot and identity starts), which are not
+constant yet are layout-independent by construction.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
 
 import torch
@@ -75,14 +77,10 @@ def draw(model: ModelConfig, seed: int, name: str, key: str, shape: tuple[int, .
         torch.nn.init.trunc_normal_(weight, 0.0, std, -bound, bound, generator=generator)
     else:
         weight.normal_(0.0, std, generator=generator)
-    scale_init = getattr(_scheme_module(model), "scale_init", None)
+    scale_init = getattr(model.residual_scheme.module, "scale_init", None)
     if scale_init is not None:
         scale_init(model, key, weight)
     return weight
-
-
-def _scheme_module(model: ModelConfig):
-    return importlib.import_module(f"model.layers.{model.residual_scheme.value}")
 
 
 def local_tensors(chunk: torch.nn.Module) -> list[ShardedTensor]:
@@ -105,7 +103,8 @@ def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> 
         for tensor in local_tensors(chunk):
             std = std_of(model, tensor.key)
             if std is None:
-                _require_constant(tensor)
+                if not tensor.key.endswith(getattr(model.residual_scheme.module, "FIXED_INIT", ())):
+                    _require_constant(tensor)
                 continue
             blocks = tensor.prepend_axis_num  # stacked blocks: the leading global block index
             previous, name = name, f"{tensor.key}{list(tensor.global_offset[:blocks])}"
@@ -119,7 +118,8 @@ def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> 
 
 def _require_constant(tensor: ShardedTensor) -> None:
     data = tensor.data
-    if data.is_floating_point() and data.numel() > 1 and not bool((data == data.flatten()[0]).all()):
+    constant = data.numel() <= 1 or bool((data == data.flatten()[0]).all())
+    if data.is_floating_point() and not constant:
         raise RuntimeError(
             f"model.init has no rule for {tensor.key}, which is built with random values: "
             "add it to model/init.py so every parallel layout draws it alike")

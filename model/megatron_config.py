@@ -19,8 +19,8 @@ def transformer_config(
     - ``use_cpu_initialization``: megatron builds the weights on the CPU; ``model/init.py``
       then redraws every random one from the seed and its global name (layout-independent),
       and the builder moves the model to its device.
-    - ``variable_seq_lengths`` for two-stream schemes under PP: stages exchange the packed
-      [s, b, 2h] tensor, but both pipeline schedules size their receive buffers from
+    - ``variable_seq_lengths`` for multi-stream schemes under PP: stages exchange the packed
+      [s, b, n h] tensor, but both pipeline schedules size their receive buffers from
       ``hidden_size``; exchanging shapes first is the one mechanism both schedules honour.
     - ``batch_p2p_comm`` is off with virtual pipelining: the batched isend/irecv path gives
       wrong results with interleaving on gloo.
@@ -65,7 +65,7 @@ def transformer_config(
         autocast_dtype=params_dtype,
         use_cpu_initialization=True,
         hetereogenous_dist_checkpoint=model.blocks_differ,
-        variable_seq_lengths=traits.two_stream and parallel.pp > 1,
+        variable_seq_lengths=model.residual_streams > 1 and parallel.pp > 1,
         batch_p2p_comm=parallel.vp is None,
         # Dense models have no experts; megatron rejects variable_seq_lengths with the default
         # (allgather) MoE dispatcher even so.

@@ -9,9 +9,11 @@ each block. Nothing else in the code lists schemes.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ class FinalNorm(StrEnum):
     NORM = "norm"  # one plain norm (blocks end un-normalised)
     NONE = "none"  # nothing: every block already ends in a norm (the Post-Norm family)
     MERGE = "merge"  # SiameseNorm's merge of the two streams, Nfinal(Na(x) + Nb(y))
+    SCHEME = "scheme"  # the scheme's own: its file's final_norm(model, norm) spec
 
 
 def _never(_model: ModelConfig) -> bool:
@@ -34,6 +37,18 @@ def _always(_model: ModelConfig) -> bool:
     return True
 
 
+def _one(_model: ModelConfig) -> int:
+    return 1
+
+
+def _two(_model: ModelConfig) -> int:
+    return 2
+
+
+def _hc_rate(model: ModelConfig) -> int:
+    return model.hc_rate
+
+
 def _with_prenorm_first_block(model: ModelConfig) -> bool:
     return model.hybrid_first_block is not FirstBlock.HYBRID
 
@@ -41,7 +56,11 @@ def _with_prenorm_first_block(model: ModelConfig) -> bool:
 @dataclass(frozen=True)
 class Traits:
     two_stream: bool = False
-    """Activations between blocks carry both streams, packed as [s, b, 2h] (model.streams)."""
+    """SiameseNorm's x and y streams: activations between blocks are packed as [s, b, 2h]
+    (model.streams), merged at the end."""
+    streams: Callable[[ModelConfig], int] = _one
+    """How many residual streams activations between blocks carry, packed as [s, b, n h]
+    (``ModelConfig.residual_streams``)."""
     qkv_norm: bool = False
     """Attention normalises Q, K and V per head after the projection."""
     final: FinalNorm = FinalNorm.NORM
@@ -66,15 +85,22 @@ class ResidualScheme(StrEnum):
         member.traits = traits
         return member
 
+    @property
+    def module(self) -> ModuleType:
+        """The scheme's own file, ``model/layers/<value>.py``: ``layer(model, index)``, and
+        optionally ``final_norm``, ``scale_init``, ``FIXED_INIT``."""
+        return importlib.import_module(f"model.layers.{self.value}")
+
     # h <- h + F(N(h)); final norm
     PRE = "pre", Traits()
     # h <- N(h + F(h)); no final norm
     POST = "post", Traits(final=FinalNorm.NONE)
     # SiameseNorm post_pre: Post-Norm-like x and Pre-Norm-like y
-    SIAMESE = "siamese", Traits(two_stream=True, final=FinalNorm.MERGE, fields=_SIAMESE_FIELDS)
+    SIAMESE = "siamese", Traits(two_stream=True, streams=_two, final=FinalNorm.MERGE,
+                                fields=_SIAMESE_FIELDS)
     # SiameseNorm hybrid_pre: x follows HybridNorm
     SIAMESE_HYBRID = "siamese_hybrid", Traits(
-        two_stream=True, qkv_norm=True, final=FinalNorm.MERGE,
+        two_stream=True, streams=_two, qkv_norm=True, final=FinalNorm.MERGE,
         fields=(*_SIAMESE_FIELDS, "hybrid_first_block"),
         blocks_differ=_with_prenorm_first_block)
     # h <- N(alpha h + F(h)); branch weights initialised down by beta (its own depth scaling)
@@ -84,6 +110,9 @@ class ResidualScheme(StrEnum):
                                       blocks_differ=_with_prenorm_first_block)
     # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
     MIXLN = "mixln", Traits(fields=("mixln_post_ratio",), blocks_differ=_always)
+    # Hyper-connections: n streams, each sublayer reads a mix and writes into all; summed at
+    # the end, then a norm
+    HC = "hc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME, fields=("hc_rate", "hc_dynamic"))
 
 
 def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:

@@ -11,7 +11,6 @@ spec parameter.
 
 from __future__ import annotations
 
-import importlib
 from functools import partial
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -144,9 +143,8 @@ def pre_norm_layer_spec(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
 
 def scheme_layer(model: ModelConfig, index: int) -> LayerChoice:
     """The layer class and parameters of global block ``index`` (0-based), from the scheme's
-    own file ``model/layers/<scheme>.py``; None for megatron's Pre-Norm layer."""
-    return importlib.import_module(f"model.layers.{model.residual_scheme.value}").layer(
-        model, index)
+    own file; None for megatron's Pre-Norm layer."""
+    return model.residual_scheme.module.layer(model, index)
 
 
 def layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSpec:
@@ -168,6 +166,8 @@ def layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSp
 def final_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec | None:
     """What closes the decoder (the scheme's ``Traits.final``)."""
     final = model.residual_scheme.traits.final
+    if final is FinalNorm.SCHEME:
+        return model.residual_scheme.module.final_norm(model, plain_norm(model, backend))
     if final is FinalNorm.MERGE:
         return ModuleSpec(module=StreamMergeNorm,
                           params={"norm": plain_norm(model, backend), "backend": backend})

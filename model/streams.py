@@ -1,9 +1,9 @@
-"""How the two residual streams of SiameseNorm cross megatron-core: as one packed tensor.
+"""How several residual streams cross megatron-core: as one packed tensor.
 
 megatron's TransformerBlock, activation recomputation and the pipeline p2p exchange all move a
-single ``hidden_states`` tensor between layers. Concatenating x and y on the hidden dimension
-([s, b, 2h]) lets all of them work unchanged; this module is the only place that knows the
-layout.
+single ``hidden_states`` tensor between layers. Concatenating the streams on the hidden
+dimension (SiameseNorm's x and y: [s, b, 2h]; hyper-connections' n streams: [s, b, n h]) lets
+all of them work unchanged; this module is the only place that knows the layout.
 """
 
 from __future__ import annotations
@@ -32,3 +32,18 @@ def start(embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both streams begin as the embedding output. Every later update is out of place, so y
     starting as the same tensor never aliases a value that is later modified."""
     return embedding, embedding
+
+
+def split(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The n streams of a packed [s, b, n h] tensor as a [s, b, n, h] view."""
+    return packed.unflatten(-1, (n, packed.shape[-1] // n))
+
+
+def join(streams: torch.Tensor) -> torch.Tensor:
+    """The packed [s, b, n h] tensor of streams [s, b, n, h] (the inverse of :func:`split`)."""
+    return streams.flatten(-2)
+
+
+def repeat(embedding: torch.Tensor, n: int) -> torch.Tensor:
+    """n streams [s, b, n, h] that all begin as the embedding [s, b, h]."""
+    return embedding.unsqueeze(-2).expand(*embedding.shape[:-1], n, embedding.shape[-1])

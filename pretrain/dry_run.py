@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from kernels.backend import NormBackend
 from model.builder import build_model, count_parameters
 from model.config import ModelConfig, ParallelConfig
-from model.schemes import Recompute
+from model.megatron_config import transformer_config
+from model.schemes import Activation, FinalNorm, Recompute
 from pretrain.config import Config, validate
 from pretrain.rundir import to_toml
 from pretrain.throughput import flops_per_token
@@ -24,43 +26,121 @@ def human(n: float) -> str:
     return f"{n:.2f}P"
 
 
+@dataclass(frozen=True)
+class Fusions:
+    """The megatron fusions that change what is kept for backward: ``activation`` is
+    ``bias_activation_fusion`` (SwiGLU keeps only its input), ``cross_entropy`` is
+    ``cross_entropy_loss_fusion`` (megatron's compiled native loss)."""
+
+    activation: bool = False
+    cross_entropy: bool = False
+
+    @classmethod
+    def of(cls, config: Config) -> Fusions:
+        """The fusions a run of ``config`` uses, read from the megatron config it builds, so the
+        estimate follows when they are switched on."""
+        tc = transformer_config(config.model, config.parallel)
+        return cls(activation=tc.bias_activation_fusion,
+                   cross_entropy=tc.cross_entropy_loss_fusion)
 
 
-def _layer_elements(m: ModelConfig, tp: int, sequence_parallel: bool) -> float:
-    """Values one transformer layer keeps for backward, per token (after Korthikanti et al.,
-    "Reducing Activation Recomputation in Large Transformer Models", without dropout, and
-    with fused attention, which keeps no s x s score matrix). Attention: norm input, QKV input,
-    Q, K, V, context; MLP: norm input, fc1 input, fc1 output (two-wide for SwiGLU), activation
-    output. The two-stream schemes keep both streams and their three norms' outputs per
-    sublayer: about 4h more per sublayer. Norm-side values split over TP only with sequence
-    parallelism; the rest always does."""
-    h, f = m.hidden_size, m.ffn_size
-    kv = m.kv_heads * (h // m.num_attention_heads)
-    fc1 = 2 * f if m.activation == "swiglu" else f
-    per_token_norms = 2 * h + (8 * h if m.residual_scheme.traits.two_stream else 0)
-    sharded = 2 * h + h + 2 * kv + h + fc1 + f
-    return per_token_norms / (tp if sequence_parallel else 1) + sharded / tp
+def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int]:
+    """Per token, the bytes one layer keeps for backward as (held whole by every TP rank unless
+    sequence parallel, split over TP). The terms are explained in :func:`activation_bytes`."""
+    traits = m.residual_scheme.traits
+    h, f, heads, groups = m.hidden_size, m.ffn_size, m.num_attention_heads, m.kv_heads
+    kv = groups * (h // heads)
+    n = m.residual_streams
+    if n == 1:
+        streams = (h if traits.qkv_norm else 2 * h) * width
+    elif not traits.two_stream:  # hyper-connections (estimated, not yet measured on a GPU)
+        streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + h) * width
+    elif traits.qkv_norm:  # x enters attention through the fp32 gate; the MLP entry re-reads it
+        streams = (n * h + (n - 1) * h + h) * width + (4 * h if width < 4 else 0)
+    else:
+        streams = (n * h + n * h + h) * width
+    dropout_masks = 2 * h if m.hidden_dropout > 0 else 0
+    whole = streams + 2 * h * width + dropout_masks  # + the two branch inputs
+    attention = (h + 2 * kv + h + kv + h) * width + 4 * heads
+    if traits.qkv_norm:
+        attention += (h + kv) * width + 8 * (heads + 2 * groups)
+    if m.activation is Activation.SWIGLU:
+        mlp = (2 * f + (f if fusions.activation else 3 * f)) * width
+    else:
+        mlp = 2 * f * width
+    return whole, attention + mlp
 
 
-def activation_bytes(config: Config, dp: int) -> float:
-    """Activation memory of the busiest GPU in one step: the first pipeline stage holds up to
-    pp micro-batches in flight (1F1B), i.e. about all layers' activations of one micro-batch;
-    full recomputation keeps only each layer's input plus one layer being recomputed. The
-    last stage adds fp32 logits and their gradient. An estimate, good to tens of percent."""
+def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) -> float:
+    """Activation memory of the busiest GPU in one step, in bytes: what forward keeps for
+    backward, tensor by tensor, on the GPU path (megatron's local linears, SDPA flash attention,
+    the fused Triton norms; Transformer Engine's modules and the torch norm backend keep other
+    tensors). ``fusions``: the run's own (:meth:`Fusions.of`) unless given.
+
+    Per token and layer, in values of the activation dtype (w bytes each), with h the hidden
+    size, a heads, g K/V groups, kv = g x head_dim, f the MLP width and n the residual streams
+    (``ModelConfig.residual_streams``):
+
+    - attention: h, the QKV input; h + 2kv, the QKV output (V is a view of it, so all of it
+      stays); h + kv, Q and K after RoPE; h, the attention output, which is also the output
+      projection's input; 4a bytes of fp32 logsumexp (flash attention keeps no s x s scores).
+      QKV-norm adds h (the reshaped Q its norm keeps), kv (the normalised V) and 8 (a + 2g)
+      bytes of per-head-row fp32 statistics.
+    - MLP: h, the fc1 input; 2f, the fc1 output (f for GELU); then megatron's unfused SwiGLU
+      keeps silu(gate), up + 0 (its glu_linear_offset add copies) and their product, the fc2
+      input: 3f; with the activation fusion only the product, f; GELU its output, f.
+    - streams, one (n = 1): 2h, the inputs of the two sublayer norms (h with QKV-norm: its
+      attention has no norm in front). Several (SiameseNorm): the fused norm kernels keep their
+      inputs, not their outputs: n h read by the attention entry, then n h of updated streams
+      plus h of attention output r read by the MLP entry, which re-derives x = u + r / c_l from
+      them. With QKV-norm (the hybrid form) x reaches attention through an fp32 gate, an fp32
+      copy of x (4h bytes), and the MLP entry reads the layer input as its x: (n - 1) h there.
+      Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
+      mixes and writes (n h), the mixed input of its norm (h) and, dynamic, the normalised
+      streams its weights are computed from (n h).
+    - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
+
+    That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 7h + 4kv + 5f, siamese
+    10h + 3kv + 5f, siamese_hybrid 12h + 4kv + 5f (2f less each with the activation fusion).
+    The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
+    (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
+    with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the
+    activation dtype (forward) or their gradient (backward): 4 + w bytes per entry (4 in fp32);
+    megatron's fused (compiled) cross entropy holds one fp32 copy more: + 4.
+
+    Layers: the first pipeline stage holds up to pp micro-batches in flight (1F1B), i.e. all its
+    layers' activations for each; full recomputation keeps each layer's n-stream input plus one
+    layer being recomputed; selective recomputation (core attention) saves next to nothing with
+    flash attention and counts as none. The terms inside the branches split over TP, their
+    inputs and the rest only with sequence parallelism. Left out: per-row norm statistics and
+    RoPE's cos/sin (each under 0.5% here) and backward's short-lived buffers. Against one H100
+    at the paper's 1.3B shape this is within 1% for every scheme measured (README, "Activation
+    memory").
+    """
     m, p, d = config.model, config.parallel, config.data
+    if fusions is None:
+        fusions = Fusions.of(config)
+    h = m.hidden_size
     tokens = config.seq_length * d.micro_batch_size
     width = 2 if config.run.params_dtype != "fp32" else 4
-    layer = _layer_elements(m, p.tp, p.sequence_parallel)
+    sp = p.tp if p.sequence_parallel else 1
+    whole, split = _layer_bytes(m, width, fusions)
+    layer = whole / sp + split / p.tp
     layers_per_stage = m.num_layers // p.pp
     in_flight = min(p.pp, max(1, d.global_batch_size // (d.micro_batch_size * dp)))
+    streams = m.residual_streams
     if p.recompute is Recompute.FULL:
-        streams = 2 if m.residual_scheme.traits.two_stream else 1
-        kept = layers_per_stage * streams * m.hidden_size / (p.tp if p.sequence_parallel else 1)
-        per_microbatch = kept + layer
+        per_microbatch = layers_per_stage * streams * h * width / sp + layer
     else:
         per_microbatch = layers_per_stage * layer
-    logits = 2 * 4 * m.padded_vocab_size / p.tp
-    return tokens * (in_flight * per_microbatch * width + (logits if p.pp == 1 else 0))
+    # what closes the decoder keeps its input: a norm's h, the merge's n h, hyper-connections'
+    # final norm (after the stream sum) h
+    closing = {FinalNorm.NORM: h, FinalNorm.MERGE: streams * h, FinalNorm.NONE: 0,
+               FinalNorm.SCHEME: h}
+    end = (h + closing[m.residual_scheme.traits.final]) * width / sp
+    logit_bytes = 4 + (width if width < 4 else 0) + (4 if fusions.cross_entropy else 0)
+    last_stage = end + logit_bytes * m.padded_vocab_size / p.tp
+    return tokens * (in_flight * per_microbatch + (last_stage if p.pp == 1 else 0))
 
 
 def parameter_count(model: ModelConfig, seed: int) -> int:

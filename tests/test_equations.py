@@ -33,6 +33,9 @@ SCHEMES = [
     ("siamese", {"siamese_depth_constant": False}),
     ("siamese_hybrid", {"siamese_input_norm": False, "siamese_depth_constant": False}),
     ("siamese_hybrid", {"siamese_input_norm": False, "hybrid_first_block": "prenorm"}),
+    ("hc", {}),
+    ("hc", {"hc_dynamic": False}),
+    ("hc", {"hc_rate": 3}),
 ]
 
 
@@ -89,11 +92,28 @@ class Reference:
     def branch(self, k, inp, layer, qkv_norm=False):
         return self.attention(inp, layer, qkv_norm) if k == "attn" else self.mlp(inp, layer)
 
+    def hyper_connection(self, H, hc, norm, k, i):
+        """H [b, s, n, d] after one sublayer: h = sum_i Am_i H_i, r = F(N(h)),
+        H_k = sum_i Ar_ik H_i + B_k r, with per-token offsets tanh(N_hc(H) W) when dynamic."""
+        n = self.cfg.hc_rate
+        width, depth, out = (self.p[f"{hc}.{w}"] for w in ("width", "depth", "output"))
+        if self.cfg.hc_dynamic:
+            offsets = torch.tanh(self.norm(H, f"{hc}.norm") @ self.p[f"{hc}.proj"].T)
+            s_a, s_b = self.p[f"{hc}.width_scale"], self.p[f"{hc}.output_scale"]
+            width = width + s_a * offsets[..., 0]
+            depth = depth + s_a * offsets[..., 1:n + 1]
+            out = out + s_b * offsets[..., n + 1]
+        h = torch.einsum("...i,...id->...d", width.expand(*H.shape[:-1]), H)
+        r = self.branch(k, self.norm(h, norm), i)
+        mixed = torch.einsum("...ik,...id->...kd", depth.expand(*H.shape[:-2], n, n), H)
+        return mixed + out.expand(*H.shape[:-1]).unsqueeze(-1) * r.unsqueeze(-2)
+
     def logits(self, tokens):
         cfg = self.cfg
         h = self.p["embedding.word_embeddings.weight"][tokens]
         scheme = cfg.residual_scheme
         x, y = h, h.clone()
+        H = h.unsqueeze(-2).repeat(1, 1, cfg.hc_rate, 1)  # hyper-connections' n streams
         L = cfg.num_layers
         alpha = (2 * L) ** 0.25  # DeepNorm's skip scale
         post_blocks = int(cfg.mixln_post_ratio * L)  # Mix-LN: the first floor(ratio L) blocks
@@ -119,6 +139,8 @@ class Reference:
                     if k == "mlp":
                         h = self.norm(h, n("mlp_post_norm"))
                     h = h + self.branch(k, h, i, qkv_norm=True)
+                elif scheme == "hc":  # Zhu et al.'s hyper-connections, sublayer k of block i
+                    H = self.hyper_connection(H, n(f"{k}_hc"), n(f"{k}_norm"), k, i)
                 elif scheme == "siamese":  # Npost, Npre, Nin of sublayer k: k_norms.*
                     u = self.norm(x, n(f"{k}_norms.post"))
                     r = self.branch(k, n_in(u + self.norm(y, n(f"{k}_norms.pre")),
@@ -145,6 +167,8 @@ class Reference:
                     x, y = x + r / c, y + r
         if scheme in ("pre", "hybridnorm", "mixln"):
             h = self.norm(h, "decoder.final_layernorm")
+        elif scheme == "hc":  # the streams summed, then the final norm
+            h = self.norm(H.sum(-2), "decoder.final_layernorm.final_norm")
         elif scheme in ("siamese", "siamese_hybrid"):
             f = "decoder.final_layernorm"
             h = self.norm(self.norm(x, f"{f}.x_norm") + self.norm(y, f"{f}.y_norm"),
@@ -167,7 +191,7 @@ def test_logits_and_grads_match_equations(single_rank, device, scheme, extra, no
     # Perturb every norm weight and gate away from 1 so a misplaced norm cannot hide.
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or "gate" in name:
+            if "norm" in name or "gate" in name or "_hc." in name:
                 param.add_(0.3 * torch.randn_like(param))
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
     positions = torch.arange(cfg.seq_length).unsqueeze(0).expand(2, -1)
@@ -182,7 +206,14 @@ def test_logits_and_grads_match_equations(single_rank, device, scheme, extra, no
     (expected * probe.double()).sum().backward()
     for name, param in model.named_parameters():
         assert param.grad is not None, name
-        assert rel_err(param.grad, ref.p[name].grad) <= 1e-5, name
+        assert rel_err(param.grad, ref.p[name].grad) <= grad_tolerance(name), name
+
+
+def grad_tolerance(name: str) -> float:
+    """Hyper-connection parameters (a few numbers each, or a norm read by every stream) get
+    gradients summed over every token, stream and feature, with heavy cancellation: in fp32
+    their relative error reaches ~1e-4."""
+    return 5e-4 if "_hc." in name else 1e-5
 
 
 def test_deepnorm_init_scales_branch_weights_by_beta(single_rank):
@@ -221,3 +252,15 @@ def test_mixln_split(layers, ratio, post_blocks):
     cfg = ModelConfig(residual_scheme="mixln", num_layers=layers, mixln_post_ratio=ratio)
     assert [scheme_layer(cfg, i) is not None for i in range(layers)] == \
         [i < post_blocks for i in range(layers)]
+
+
+def test_one_static_hyper_connection_stream_is_pre_norm(single_rank, device):
+    """With n = 1 and static weights at their start (Am = Ar = B = 1), hyper-connections are
+    h <- h + F(N(h)) with a final norm: the same logits as Pre-Norm from the same seed."""
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(16).expand_as(tokens)
+    logits = {}
+    for scheme, extra in (("pre", {}), ("hc", {"hc_rate": 1, "hc_dynamic": False})):
+        [model] = build_model(tiny_model(scheme, **extra), ParallelConfig(), seed=4)
+        logits[scheme] = model(tokens.to(device), positions.to(device), None)
+    torch.testing.assert_close(logits["hc"], logits["pre"], rtol=0, atol=0)

@@ -22,7 +22,7 @@ from tests.helpers import MBS, SEQ, batches, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_layout
 
 SCHEMES = ["siamese", "siamese_hybrid"]
-BASELINES = ["deepnorm", "hybridnorm", "mixln"]  # single-stream; TP=2 and PP=2 only
+BASELINES = ["deepnorm", "hybridnorm", "mixln", "hc"]  # TP=2 and PP=2 only
 LAYOUTS = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -52,7 +52,7 @@ def _reference(root, scheme: str, par: ParallelConfig) -> tuple[float, dict]:
     chunks = wrap_ddp(build_model(tiny_model(scheme), par, norm_backend="torch"), par)
     with torch.no_grad():  # norms away from 1 so a misrouted norm weight shows
         for name, p in chunks[0].module.named_parameters():
-            if "norm" in name or "gate" in name:
+            if "norm" in name or "gate" in name or "_hc." in name:
                 p.add_(0.2 * torch.randn_like(p))
     weights.save(chunks, str(root / scheme / "weights"))
     losses = forward_backward(chunks, batches(MICROBATCHES), MICROBATCHES, SEQ, MBS)
