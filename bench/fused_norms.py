@@ -57,9 +57,9 @@ def op_module(op: Op, backend, config, hidden: int):
     packed update, which has no norm)."""
     from megatron.core.transformer.spec_utils import build_module
 
+    from model.config import ModelConfig
     from model.layers.merge import StreamMergeNorm
     from model.layers.two_stream import SublayerNorms
-    from model.config import ModelConfig
     from model.spec import plain_norm
 
     # The model's norm as the spec builds it (LayerNorm without bias: the default).

@@ -24,7 +24,7 @@ def run_once(scheme: str, steps: int, folder: Path) -> list[float]:
     run_dir = folder / scheme
     subprocess.run(
         [sys.executable, "-m", "pretrain", "train", "--config", CONFIG,
-         f"--model.residual_scheme={scheme}", f"--run.steps={steps}", "--run.eval_iters=0",
+         f"--model.residual_scheme={scheme}", f"--run.steps={steps}", "--data.valid_samples=0",
          "--optim.warmup_steps=1", "--run.save_interval=0", "--logging.wandb_mode=disabled",
          f"--run.dir={run_dir}", f"--data.cache_dir={folder / 'cache'}"],
         check=True, capture_output=True, text=True)

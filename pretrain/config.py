@@ -75,6 +75,13 @@ class DataConfig:
     """Sequences per optimizer step (micro-batches are accumulated to reach it)."""
     cache_dir: str = ""
     """Where megatron caches its sample indices (default: <run.dir>/data_cache)."""
+    valid_samples: int = 1024
+    """Sequences in the validation set: the first valid_samples samples of the validation
+    split in megatron's seeded order. Every evaluation (during training and ``eval``) covers
+    all of them, in batches of global_batch_size (so it must be a multiple of it), so a
+    checkpoint evaluates to the same number whatever run.steps or run.eval_interval. The
+    validation split must hold them without repeating one (refused otherwise: a repeated
+    sample would count twice). 0: no validation during training."""
 
     def __post_init__(self) -> None:
         # Megatron-LM's weighted form, ["0.3", "data/a", "0.7", "data/b"], as its users write
@@ -95,9 +102,8 @@ class RunConfig:
     seed: int = 1234
     log_interval: int = 1
     eval_interval: int = 50
-    """Validate every this many steps (and at the start and the end)."""
-    eval_iters: int = 10
-    """Validation batches (of global_batch_size sequences) per evaluation."""
+    """Validate every this many steps (and at the start and the end), on the whole validation
+    set (data.valid_samples)."""
     save_interval: int = 0
     """Checkpoint every this many steps (0: only at the end and on a signal)."""
     keep_last: int = 2
@@ -219,10 +225,26 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+# Keys that were settings once, with what replaced them: an old config (a run folder's
+# config.toml) then says what to change, not only that the key is unknown.
+RETIRED_KEYS = {
+    "run.eval_iters": "every evaluation now covers the whole validation set; remove it and set "
+                      "data.valid_samples (sequences, a multiple of data.global_batch_size; "
+                      "0: no validation)",
+    "model.hybrid_prenorm_first_block": "use model.hybrid_first_block (\"hybrid\" for false; "
+                                        "\"prenorm\" is HybridNorm* as the official code "
+                                        "computes it, not the gated block 0 of earlier "
+                                        "versions)",
+}
+
+
 def _build_section(name: str, cls: type, values: dict[str, Any]):
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
+        if f"{name}.{key}" in RETIRED_KEYS:
+            raise ConfigError(f"{name}.{key} ({values[key]!r}) is no longer a setting: "
+                              f"{RETIRED_KEYS[f'{name}.{key}']}")
         if key not in known:
             raise ConfigError(f"unknown config key {name}.{key}{_did_you_mean(key, known, name)}"
                               f"; known keys: {', '.join(sorted(known))}")
@@ -376,8 +398,8 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be < "
                 f"{FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
     else:
-        require(r.eval_iters >= 1, f"run.eval_iters ({r.eval_iters}) must be >= 1 to evaluate "
-                "(e.g. --run.eval_iters=10)")
+        require(d.valid_samples >= 1, f"data.valid_samples ({d.valid_samples}) must be >= 1 "
+                "to evaluate (e.g. --data.valid_samples=1024)")
     if d.cache_dir:
         require_creatable(d.cache_dir, "data.cache_dir")
     require_creatable(r.dir, "run.dir")
@@ -388,6 +410,11 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
     for name in ("micro_batch_size", "global_batch_size"):
         value = getattr(d, name)
         require(value >= 1, f"data.{name} ({value}) must be >= 1")
+    require(d.valid_samples >= 0,
+            f"data.valid_samples ({d.valid_samples}) must be >= 0 (0: no validation)")
+    require(d.valid_samples % d.global_batch_size == 0,
+            f"data.valid_samples ({d.valid_samples}) must be a multiple of "
+            f"data.global_batch_size ({d.global_batch_size}): an evaluation is whole batches")
     require(0 <= d.seq_length <= config.model.seq_length,
              f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
              f"({config.model.seq_length})")
@@ -399,7 +426,6 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
     require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
              and sum(float(p) for p in parts) > 0,
              f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
-    require(r.eval_iters >= 0, f"run.eval_iters ({r.eval_iters}) must be >= 0")
     require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
     dg = config.diagnostics
     require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")

@@ -13,6 +13,7 @@ non-atomically, so a killed start can leave a truncated file that it would trust
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,8 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     parse_and_normalize_split,
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import normalize
 
 from pretrain.config import Config
 from pretrain.dry_run import human
@@ -45,13 +48,13 @@ INDEX_BYTES_PER_SAMPLE = 40
 
 def sample_counts(config: Config, position: DataPosition = START) -> tuple[int, int]:
     """Training and validation samples a run draws: every step's batch (from ``position``
-    on), and eval_iters batches at each evaluation (the start, every eval_interval, the end).
-    Evaluation of a checkpoint asks for the same counts, so it sees exactly the validation set
-    training saw."""
-    r, d = config.run, config.data
-    evaluations = r.steps // r.eval_interval + 2
-    train = position.advance(r.steps, d.global_batch_size, config.seq_length).samples
-    return train, evaluations * max(r.eval_iters, 1) * d.global_batch_size
+    on), and the validation set, data.valid_samples whatever the run's length and evaluation
+    interval. megatron derives a split's sample order from the count it is asked for, so a
+    fixed count is what keeps the validation set, and so a checkpoint's validation loss, the
+    same in every run and in ``eval``."""
+    d = config.data
+    train = position.advance(config.run.steps, d.global_batch_size, config.seq_length).samples
+    return train, d.valid_samples
 
 
 def _check_index_size(config: Config) -> None:
@@ -79,11 +82,13 @@ def check_data(config: Config, tokenizer) -> None:
     # megatron's own split arithmetic, without building a dataset config (that logs through
     # torch.distributed, which does not exist yet at this point)
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split))
-    sizes = sample_counts(config)
-    wanted = (sizes[0], sizes[1] if config.run.eval_iters else 0)
-    for prefix in data.prefixes:
+    wanted = sample_counts(config)
+    weights = normalize(data.weights or [1.0] * len(data.prefixes))
+    for prefix, weight in zip(data.prefixes, weights, strict=True):
         count = check_dataset(prefix, tokenizer.vocab_size)
         _check_split_not_empty(prefix, count, data.split, split_matrix, wanted)
+        if data.valid_samples:
+            _check_valid_set_fits(config, prefix, split_matrix[1], weight)
 
 
 def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
@@ -154,6 +159,27 @@ def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix
             raise DataError(
                 f"data.split ({split!r}) gives the {name} split of '{prefix}' no document "
                 f"({documents} documents in all); add documents or raise its share")
+
+
+def _check_valid_set_fits(config: Config, prefix: str, bounds, weight: float) -> None:
+    """The validation split of ``prefix`` holds its share of data.valid_samples (megatron asks
+    each prefix for ceil(valid_samples x weight)) without repeating a sample. megatron would
+    make up a shortfall with a second pass over the split, and a repeated sample counts twice
+    in every evaluation; refused instead, with the numbers the user can change."""
+    d = config.data
+    wanted = math.ceil(d.valid_samples * weight)
+    dataset = IndexedDataset(prefix)  # held: its lengths are a view of its memory map
+    lengths = dataset.sequence_lengths  # megatron splits a prefix by sequence
+    first, last = (int(round(b * len(lengths))) for b in bounds)
+    # A sample reads seq_length + 1 tokens; consecutive samples share one.
+    available = max(int(lengths[first:last].sum()) - 1, 0) // config.seq_length
+    del dataset
+    if available < wanted:
+        raise DataError(
+            f"data.valid_samples ({d.valid_samples}) asks '{prefix}' for {wanted} validation "
+            f"sequences of {config.seq_length} tokens, but its validation split (data.split "
+            f"{d.split!r}) holds {available}; lower data.valid_samples or raise the "
+            "validation share")
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

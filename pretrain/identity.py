@@ -60,7 +60,9 @@ def fingerprint(prefix: str) -> str:
 
 
 def data_identity(config: Config) -> dict[str, Any]:
-    """The inputs that decide which sample a step reads."""
+    """The inputs that decide which sample a step reads. The validation set's size
+    (data.valid_samples) is not one of them: megatron builds the training split's samples
+    from the training count alone, so a resume may change it freely."""
     d = config.data
     weights = d.weights or [1.0] * len(d.prefixes)
     return {

@@ -22,7 +22,7 @@ TINY = [
     "--model.num_layers=2", "--model.hidden_size=64", "--model.num_attention_heads=4",
     "--model.ffn_hidden_size=128", "--model.seq_length=32", "--model.vocab_size=512",
     "--data.micro_batch_size=4", "--data.global_batch_size=8",
-    "--optim.lr=3e-3", "--optim.warmup_steps=2", "--run.eval_iters=2",
+    "--optim.lr=3e-3", "--optim.warmup_steps=2", "--data.valid_samples=16",
     "--run.log_interval=1", "--logging.wandb_mode=disabled",
 ]
 

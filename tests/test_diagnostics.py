@@ -234,7 +234,7 @@ def logged_run(data, tmp_path_factory):
     each step (so step 2's values can be recomputed from the weights it started with)."""
     run = tmp_path_factory.mktemp("diag") / "run"
     cli(*train_args(data, run, "--run.steps=2", "--optim.warmup_steps=1", "--run.save_interval=1",
-                    "--run.eval_iters=0",
+                    "--data.valid_samples=0",
                     "--diagnostics.interval=1", "--logging.wandb_mode=offline"))
     return run
 
@@ -272,7 +272,7 @@ def test_tp_sp_and_pp_runs_log_the_single_process_values(data, logged_run, tmp_p
     tokens) and PP=2 (each stage holds one block, the last one the merge) log what one
     process logs."""
     init = f"--run.init_from={Path(logged_run) / 'checkpoints' / 'step_00000001'}"
-    common = ["--run.steps=1", "--optim.warmup_steps=0", "--run.eval_iters=0",
+    common = ["--run.steps=1", "--optim.warmup_steps=0", "--data.valid_samples=0",
               "--diagnostics.interval=1", init]
     logged = {}
     for name, layout, nproc in (("single", [], 1),

@@ -39,7 +39,7 @@ MODEL = [
     "--model.ffn_hidden_size=704", "--model.seq_length=128", "--model.vocab_size=512",
     "--data.micro_batch_size=8", "--data.global_batch_size=16",
     "--optim.lr=2e-3", "--optim.warmup_steps=5", f"--run.steps={STEPS}",
-    "--run.eval_iters=2", "--run.eval_interval=20", "--run.save_interval=20",
+    "--data.valid_samples=16", "--run.eval_interval=20", "--run.save_interval=20",
     "--run.log_interval=1", "--diagnostics.interval=10", "--logging.wandb_mode=disabled",
 ]
 DETERMINISTIC = "--run.deterministic=true"

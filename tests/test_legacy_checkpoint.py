@@ -16,14 +16,13 @@ import pytest
 import torch
 
 from model.builder import build_model, wrap_ddp
-from pretrain import checkpoint
+from pretrain import checkpoint, identity
 from pretrain.config import Config
-from pretrain import identity
 from pretrain.identity import model_identity
-from runtime.errors import CheckpointError
 from pretrain.optim import build_optimizer
 from pretrain.start import weights_source
 from runtime import weights
+from runtime.errors import CheckpointError
 from tests.fixtures.make_legacy_checkpoints import FIXTURES, TOKENS, config_for, logits
 
 NAMES = ["siamese", "siamese_hybrid_star"]

@@ -38,6 +38,7 @@ def reference(data, tmp_path_factory):
 def test_training_lowers_validation_loss_and_fills_run_folder(data, reference):
     first, last = val_losses(reference)[0], val_losses(reference)[-1]
     assert last < first - 0.1, (first, last)
+    assert {r["val_samples"] for r in metrics(reference) if "val_loss" in r} == {16}
     steps = [r for r in metrics(reference) if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     for key in ("consumed_tokens", "lr", "grad_norm", "tokens_per_s"):
@@ -48,12 +49,21 @@ def test_training_lowers_validation_loss_and_fills_run_folder(data, reference):
 
 
 def test_eval_command_reports_checkpoint_perplexity(data, reference):
-    done = cli("eval", "--config", str(Path(reference) / "config.toml"),
-               "--checkpoint", str(reference / "checkpoints"))
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    """`eval` reproduces the run's final validation, and gives exactly the same result under
+    a config of another run length and evaluation interval (one fixed validation set)."""
+    results = []
+    for extra in ([], ["--run.steps=5000", "--run.eval_interval=1"]):
+        done = cli("eval", "--config", str(Path(reference) / "config.toml"),
+                   "--checkpoint", str(reference / "checkpoints"), *extra)
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    result = results[0]
     assert result["checkpoint"].endswith(f"step_{STEPS:08d}")
     assert result["val_ppl"] == pytest.approx(math.exp(result["val_loss"]))
     assert result["val_loss"] == pytest.approx(val_losses(reference)[-1], rel=1e-6)
+    assert result["val_samples"] == 16  # TINY's data.valid_samples, logged with the loss
+    assert results[1] == result
+    logged = [json.loads(line) for line in (reference / "eval.jsonl").read_text().splitlines()]
+    assert logged[-2:] == results
 
 
 def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -112,7 +122,7 @@ def test_tp2_pp2_match_single_process_and_checkpoints_reshard(data, reference, t
     """From the same weights, TP=2 and PP=2 (gloo) follow the single-process losses; a TP=2
     checkpoint resumes at TP=1 and at PP=2 with the same losses."""
     init = f"--run.init_from={reference / 'checkpoints'}"
-    common = ["--run.steps=6", "--run.eval_iters=0", "--run.save_interval=3", init]
+    common = ["--run.steps=6", "--data.valid_samples=0", "--run.save_interval=3", init]
     runs = {}
     for name, layout, nproc in (("single", [], 1), ("tp2", ["--parallel.tp=2"], 2),
                                 ("pp2", ["--parallel.pp=2"], 2)):
@@ -166,7 +176,7 @@ def test_diverging_run_skips_nonfinite_steps_then_aborts(data, tmp_path):
     run = tmp_path / "run"
     done = cli(*train_args(data, run, "--run.steps=10", "--optim.lr=1e30",
                            "--optim.min_lr=0", "--optim.warmup_steps=1",
-                           "--run.max_nonfinite_steps=2", "--run.eval_iters=0"), check=False)
+                           "--run.max_nonfinite_steps=2", "--data.valid_samples=0"), check=False)
     assert done.returncode == 3, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 2 consecutive steps had a NaN/Inf loss or gradient"), last
@@ -186,7 +196,7 @@ def test_blended_prefixes_train(data, tmp_path):
     cli("prepare-data", str(tmp_path / "part.jsonl"), "--tokenizer", data["tokenizer"],
         "--output", str(second))
     run = tmp_path / "run"
-    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=1", "--data.split=90,10,0",
+    cli(*train_args(data, run, "--run.steps=3", "--data.split=90,10,0",
                     f"--data.prefixes=[\"{data['prefix']}\", \"{second}\"]",
                     "--data.weights=[3, 1]"), timeout=240)
     assert len(train_losses(run)) == 3
@@ -198,7 +208,7 @@ def test_extending_a_finished_run_needs_and_follows_the_new_schedule(data, refer
     cosine decay is stretched to the new end instead of staying at min_lr."""
     run = tmp_path / "extended"
     shutil.copytree(reference, run)
-    longer = train_args(data, run, f"--run.steps={STEPS + 4}", "--run.eval_iters=0")
+    longer = train_args(data, run, f"--run.steps={STEPS + 4}", "--data.valid_samples=0")
     refused = cli(*longer, check=False)
     assert refused.returncode == 2
     assert f"run.steps ({STEPS + 4}) differs from the checkpoint's ({STEPS})" in refused.stderr

@@ -28,7 +28,7 @@ def ctx(tmp_path_factory):
     cli("train-tokenizer", data["corpus"], "--output", str(root / "data" / "small"),
         "--vocab-size", "400")
     run = root / "finished"
-    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=1"))
+    cli(*train_args(data, run, "--run.steps=3"))
     corrupt = root / "corrupt-run"
     shutil.copytree(run, corrupt)
     shard = next((corrupt / "checkpoints" / "step_00000003").glob("*.distcp"))
@@ -125,7 +125,8 @@ CASES = {
                                     ["model.vocab_size (256)", "(512"]),
     "sequence longer than model": (lambda c: _train(c, "--data.seq_length=64"),
                                    ["data.seq_length (64)", "model.seq_length (32)"]),
-    "global batch vs micro x dp": (lambda c: _train(c, "--data.global_batch_size=10"),
+    "global batch vs micro x dp": (lambda c: _train(c, "--data.global_batch_size=10",
+                                                    "--data.valid_samples=20"),
                                    ["data.global_batch_size (10)", "(4 x 1)"]),
     "layout vs world size": (lambda c: _train(c, "--parallel.pp=2"),
                              ["world size (1)", "parallel.tp x parallel.pp (2)"]),
@@ -140,7 +141,7 @@ CASES = {
                    "--checkpoint", str(c["root"] / "no-such-ckpt")],
         ["no-such-ckpt", "does not exist"]),
     "corrupt checkpoint": (
-        lambda c: train_args(c["data"], c["corrupt"], "--run.steps=5", "--run.eval_iters=0"),
+        lambda c: train_args(c["data"], c["corrupt"], "--run.steps=5", "--data.valid_samples=0"),
         ["step_00000003", "could not be loaded"]),
     "missing init checkpoint": (lambda c: _train(c, "--run.init_from=/nonexistent/ckpt"),
                                 ["/nonexistent/ckpt", "does not exist"]),
@@ -170,7 +171,7 @@ def _in(c, *parts: str) -> str:
 
 
 def _resume(c, run: str, *extra):
-    return train_args(c["data"], c["root"] / run, "--run.steps=3", "--run.eval_iters=0", *extra)
+    return train_args(c["data"], c["root"] / run, "--run.steps=3", "--data.valid_samples=0", *extra)
 
 
 def _eval(c, run: str = "finished", *extra):
@@ -219,6 +220,22 @@ EARLY_CASES = {
                          ["data.micro_batch_size (0)"]),
     "absurd run length": (lambda c: _train(c, "--run.steps=1000000000000000"),
                           ["run.steps (1,000,000,000,000,000)", "index", "memory"]),
+    # the validation set: whole batches, never negative, held by the validation split
+    "validation set of part of a batch": (
+        lambda c: _train(c, "--data.valid_samples=12"),
+        ["data.valid_samples (12)", "multiple of data.global_batch_size (8)"]),
+    "negative validation set": (lambda c: _train(c, "--data.valid_samples=-8"),
+                                ["data.valid_samples (-8)", ">= 0"]),
+    "validation set larger than its split": (
+        lambda c: _train(c, "--data.valid_samples=8000"),
+        ["data.valid_samples (8000)", "topics'", "8000 validation sequences of 32 tokens",
+         "data.split '98,2,0'", "holds"]),
+    "retired eval_iters": (lambda c: _train(c, "--run.eval_iters=4"),
+                           ["run.eval_iters (4) is no longer a setting", "data.valid_samples"]),
+    "retired HybridNorm* switch": (
+        lambda c: _train(c, "--model.hybrid_prenorm_first_block=true"),
+        ["model.hybrid_prenorm_first_block (True) is no longer a setting",
+         "model.hybrid_first_block"]),
     # choices and structure
     "unknown wandb mode": (lambda c: _train(c, "--logging.wandb_mode=loud"),
                            ["logging.wandb_mode ('loud')"]),
@@ -283,8 +300,8 @@ EARLY_CASES = {
                               ["model.num_layers (2 in the checkpoint, 4 here)"]),
     "eval of other vocabulary": (lambda c: _eval(c, "finished", "--model.vocab_size=1024"),
                                  ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
-    "eval without batches": (lambda c: _eval(c, "finished", "--run.eval_iters=0"),
-                             ["run.eval_iters (0)", ">= 1"]),
+    "eval without a validation set": (lambda c: _eval(c, "finished", "--data.valid_samples=0"),
+                                      ["data.valid_samples (0)", ">= 1"]),
     "eval of a file": (lambda c: ["eval", "--config", str(c["run"] / "config.toml"),
                                   "--checkpoint", _in(c, "a-file")], ["a-file", "is a file"]),
     "eval of empty complete.json": (lambda c: _eval(c, "empty-complete"), ["not readable JSON"]),

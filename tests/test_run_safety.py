@@ -31,7 +31,7 @@ from tests.pretrain_fixtures import (
 def finished(data, tmp_path_factory):
     """A 3-step run with its checkpoint at step 3."""
     run = tmp_path_factory.mktemp("finished") / "run"
-    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=1"))
+    cli(*train_args(data, run, "--run.steps=3"))
     return run
 
 
@@ -44,7 +44,7 @@ def _error_line(stderr: str) -> str:
 
 def test_a_second_run_on_a_folder_is_refused_and_a_killed_run_does_not_block(data, tmp_path):
     run = tmp_path / "run"
-    args = train_args(data, run, "--run.steps=100000", "--run.eval_iters=0",
+    args = train_args(data, run, "--run.steps=100000", "--data.valid_samples=0",
                       "--run.save_interval=0")
     first = popen(args)
     try:
@@ -59,7 +59,7 @@ def test_a_second_run_on_a_folder_is_refused_and_a_killed_run_does_not_block(dat
         first.kill()
         first.wait()
     assert (run / "run.lock").is_file()  # left behind by SIGKILL, and no obstacle:
-    cli(*train_args(data, run, "--run.steps=3", "--run.eval_iters=0"))
+    cli(*train_args(data, run, "--run.steps=3", "--data.valid_samples=0"))
     assert not (run / "run.lock").exists()  # a run that ends removes its lock
     assert (run / "checkpoints" / "step_00000003" / "complete.json").is_file()
 
@@ -97,7 +97,7 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_checkpoint(data, finis
     shutil.copytree(finished, run)
     done = subprocess.run(
         [sys.executable, "-m", "pretrain", *train_args(
-            data, run, "--run.steps=6", "--run.eval_iters=1", "--optim.override_schedule=true",
+            data, run, "--run.steps=6", "--optim.override_schedule=true",
             f"--data.cache_dir={tmp_path / 'cache'}")],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,
         preexec_fn=_limit_file_size(64 * 1024))
@@ -122,7 +122,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(data, finished,
     checkpoint_size = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
     disk = tmp_path / "disk"
     disk.mkdir()
-    args = train_args(data, disk / "run", "--run.steps=6", "--run.eval_iters=1",
+    args = train_args(data, disk / "run", "--run.steps=6",
                       "--optim.override_schedule=true", f"--data.cache_dir={tmp_path / 'cache'}")
     script = (f'mount -t tmpfs -o size={used + checkpoint_size // 2} tmpfs "$1" && '
               f'cp -r "$2" "$1/run" && shift 2 && "$@"; echo "exit=$?" >&2; '
@@ -167,7 +167,7 @@ def test_a_resume_on_a_larger_batch_continues_from_the_data_position(data, finis
     consumed tokens keep growing from where the checkpoint left them."""
     run = tmp_path / "run"
     shutil.copytree(finished, run)
-    done = cli(*train_args(data, run, "--run.steps=5", "--run.eval_iters=1",
+    done = cli(*train_args(data, run, "--run.steps=5",
                            "--data.global_batch_size=16", "--run.allow_data_change=true",
                            "--optim.override_schedule=true"))
     assert "data changed on resume" in done.stderr and "data.global_batch_size (8" in done.stderr
