@@ -4,8 +4,9 @@ A sublayer's entry reads x and y and writes u = Na(x) and s = Nc(Na(x) + Nb(y));
 is the same pass without storing u. :func:`fuse` decides, when a model is built, whether a
 given trio of norm modules can run as one kernel: all three :class:`~kernels.norms.Norm`
 modules of one kind, eps and bias presence built for triton (Nc may be an identity: the
-input-norm ablation). The kernels read the modules' own parameters, so gradients land on the same tensors as in the
-unfused composition, and checkpoints and sequence-parallel reductions do not depend on it.
+input-norm ablation). The kernels read the modules' own parameters, so gradients land on the
+same tensors as in the unfused composition, and checkpoints and sequence-parallel reductions do
+not depend on it.
 """
 
 from __future__ import annotations
