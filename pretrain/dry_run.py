@@ -54,7 +54,7 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
     if n == 1:
         streams = (h if traits.qkv_norm else 2 * h) * width
     elif not traits.two_stream:  # hyper-connections (estimated, not yet measured on a GPU)
-        streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + h) * width
+        streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + 2 * h) * width
     elif traits.qkv_norm:  # x enters attention through the fp32 gate; the MLP entry re-reads it
         streams = (n * h + (n - 1) * h + h) * width + (4 * h if width < 4 else 0)
     else:
@@ -96,8 +96,8 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       them. With QKV-norm (the hybrid form) x reaches attention through an fp32 gate, an fp32
       copy of x (4h bytes), and the MLP entry reads the layer input as its x: (n - 1) h there.
       Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
-      mixes and writes (n h), the mixed input of its norm (h) and, dynamic, the normalised
-      streams its weights are computed from (n h).
+      mixes and writes (n h), the mixed input of its norm (h), the branch output it scales
+      into every stream (h) and, dynamic, the normalised streams its weights come from (n h).
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
 
     That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 7h + 4kv + 5f, siamese
