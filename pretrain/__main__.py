@@ -1,4 +1,4 @@
-"""``python -m pretrain <command>``: train-tokenizer, prepare-data, train, eval.
+"""``python -m pretrain <command>``: train-tokenizer, prepare-data, train, eval, generate.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
 an aborted run (e.g. repeated NaN/Inf) exits 3.
@@ -31,8 +31,9 @@ Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
   --data.weights=0.3,0.7. Megatron-LM's weighted form ["0.3", "data/a", "0.7", "data/b"] is
   accepted too. Sections: model, parallel, optim, data, run, logging, kernels, diagnostics;
   every field is documented in model/config.py and pretrain/config.py.
-Without --config, train and eval use the config.toml of the run folder named by --run.dir
-(eval: the run folder holding --checkpoint)."""
+Without --config, train, eval and generate use the config.toml of the run folder named by
+--run.dir (eval and generate: the run folder holding --checkpoint)."""
+CHECKPOINT_COMMANDS = ("eval", "generate")  # read a checkpoint, take config overrides
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=1)
 
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
-                       ("eval", "validation loss and perplexity of a checkpoint")):
+                       ("eval", "validation loss and perplexity of a checkpoint"),
+                       ("generate", "sample text from a checkpoint (greedy or seeded)")):
         c = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("--config", help="TOML file (configs/*.toml)")
@@ -68,6 +70,14 @@ def _parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--checkpoint", required=True,
                            help="a checkpoint folder, or a run's checkpoints/ folder")
+        if name == "generate":
+            c.add_argument("--prompt", action="append", required=True,
+                           help="text to continue (repeat for several prompts)")
+            c.add_argument("--max-tokens", type=int, default=64)
+            c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+            c.add_argument("--top-k", type=int, default=0, help="0: off")
+            c.add_argument("--top-p", type=float, default=1.0, help="1: off")
+            c.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     for command in sub.choices.values():
         command.add_argument("--verbose", action="store_true",
                              help="show every third-party warning and megatron's INFO logs")
@@ -82,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, overrides = _parser().parse_known_args(argv)
         bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
-        if bad and args.command in ("train", "eval"):
+        if bad and args.command in ("train", *CHECKPOINT_COMMANDS):
             raise ConfigError(f"command line: {bad[0]!r} is not a --section.key=value override")
-        if overrides and args.command not in ("train", "eval"):
+        if overrides and args.command not in ("train", *CHECKPOINT_COMMANDS):
             raise ConfigError(f"command line: unrecognized arguments: {' '.join(overrides)}")
         return _run(args, overrides, stop)
     except UserError as err:
@@ -121,6 +131,15 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
     with cpu_compat.enabled():  # megatron's CUDA bookkeeping on a CPU machine, for this run
         try:
+            if args.command == "generate":
+                from pretrain.generate import Sampling, generate_from_checkpoint
+
+                sampling = Sampling(args.max_tokens, args.temperature, args.top_k, args.top_p,
+                                    args.seed)
+                for line in generate_from_checkpoint(config, args.checkpoint, args.prompt,
+                                                     sampling):
+                    print(strict_json(line))
+                return 0
             if args.command == "train":
                 from pretrain.train import train
 
@@ -144,7 +163,7 @@ def _run_folder_config(args, overrides: list[str]) -> str:
     --run.dir, or for eval of the run folder holding --checkpoint."""
     candidates = [Path(o.partition("=")[2]) / "config.toml"
                   for o in overrides if o.startswith("--run.dir=")]
-    if args.command == "eval":
+    if args.command in CHECKPOINT_COMMANDS:
         checkpoint = Path(args.checkpoint)
         candidates += [folder / "config.toml"
                        for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent)]
