@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("prepare-data", help="tokenise text into a Megatron indexed dataset")
     d.add_argument("inputs", nargs="+")
-    d.add_argument("--tokenizer", required=True, help="sentencepiece .model file")
+    d.add_argument("--tokenizer", required=True,
+                   help="sentencepiece .model file, or a Hugging Face tokenizer.json or its folder")
     d.add_argument("--output", required=True, help="output prefix (PREFIX.bin/.idx)")
     d.add_argument("--workers", type=int, default=1)
 

@@ -65,7 +65,8 @@ class DataConfig:
     weights: list[float] = field(default_factory=list)
     """Blend weights, one per prefix (default: equal)."""
     tokenizer: str = ""
-    """sentencepiece .model file the datasets were tokenised with."""
+    """The tokenizer the datasets were tokenised with: a sentencepiece .model file, or a Hugging
+    Face tokenizer.json (or a folder holding one, e.g. GPT-NeoX-20B's)."""
     split: str = "98,2,0"
     """train,valid,test split of each dataset's documents."""
     seq_length: int = 0

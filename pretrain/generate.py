@@ -24,7 +24,7 @@ from model.config import ParallelConfig, require
 from pretrain import identity
 from pretrain.config import Config, validate
 from pretrain.start import weights_source
-from pretrain.tokenizer import Tokenizer
+from pretrain.tokenizer import open_tokenizer
 from pretrain.train import setup
 from runtime import device, weights
 from runtime.errors import ConfigError
@@ -97,7 +97,7 @@ def generate_from_checkpoint(config: Config, path: str, prompts: list[str],
                           f"{os.environ['WORLD_SIZE']}); start it without torchrun")
     config.parallel = ParallelConfig()  # any layout's checkpoint loads whole here
     validate(config, world_size=1, training=False)
-    tokenizer = Tokenizer(config.data.tokenizer)
+    tokenizer = open_tokenizer(config.data.tokenizer)
     require(config.model.vocab_size >= tokenizer.vocab_size,
             f"model.vocab_size ({config.model.vocab_size}) must be >= the tokenizer's "
             f"vocabulary ({tokenizer.vocab_size}, {config.data.tokenizer})")

@@ -25,7 +25,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from tqdm import tqdm
 
 from pretrain.paths import require_creatable, require_file
-from pretrain.tokenizer import Tokenizer, iter_documents, require_data_file
+from pretrain.tokenizer import Tokenizer, iter_documents, open_tokenizer, require_data_file
 from runtime.errors import ConfigError, DataError
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
@@ -40,7 +40,7 @@ _worker_tokenizer: Tokenizer | None = None
 def _init_worker(model_file: str) -> None:
     """Load the tokenizer once per process rather than once per document."""
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(model_file)
+    _worker_tokenizer = open_tokenizer(model_file)
 
 
 def _encode_chunk(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -111,7 +111,7 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
         raise ConfigError("prepare-data needs at least one data file")
     for path in inputs:
         require_data_file(path)
-    tokenizer = Tokenizer(tokenizer_model)
+    tokenizer = open_tokenizer(tokenizer_model)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin, tmp_idx = (Path(f"{p}.tmp{os.getpid()}") for p in (bin_path, idx_path))

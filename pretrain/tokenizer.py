@@ -1,4 +1,6 @@
-"""sentencepiece tokenizers: training from text/JSONL, and the object megatron's datasets use.
+"""Tokenizers: sentencepiece (trained here from text/JSONL) and Hugging Face ``tokenizer.json``
+files (``pretrain.hf_tokenizer``); :func:`open_tokenizer` gives the object megatron's datasets
+use for either.
 
 Special ids are fixed: unk 0, bos 1, eos 2, pad 3. ``eos`` is the end-of-document token (EOD)
 written after every document; pad gets its own id because megatron masks the loss wherever a
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from pretrain.hf_tokenizer import HFTokenizer, is_hf_tokenizer
 from pretrain.paths import require_creatable, require_file
 from runtime.errors import ConfigError, DataError
 
@@ -202,14 +205,14 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     finally:
         tmp_model.unlink(missing_ok=True)
         tmp_vocab.unlink(missing_ok=True)
-    size = Tokenizer(str(model_path)).vocab_size
+    size = SentencePieceTokenizer(str(model_path)).vocab_size
     if size != vocab_size:
         log.warning("tokenizer %s has %d pieces (asked for %d): the corpus supports no more",
                     model_path, size, vocab_size)
     return str(model_path)
 
 
-class Tokenizer:
+class SentencePieceTokenizer:
     """A sentencepiece model with the attributes megatron's GPTDataset reads: ``eod`` (document
     boundaries), ``pad`` (loss masking of padded labels), ``vocab_size`` (token dtype code) and
     ``unique_identifiers`` (part of the hash naming megatron's index cache). The identifier is
@@ -257,3 +260,12 @@ class Tokenizer:
     def decode(self, ids) -> str:
         """Text of ``ids`` (a list, numpy array or tensor of ints)."""
         return self.processor.decode([int(i) for i in ids])
+
+
+Tokenizer = SentencePieceTokenizer | HFTokenizer
+
+
+def open_tokenizer(path: str) -> Tokenizer:
+    """``data.tokenizer`` / ``--tokenizer``: a sentencepiece ``.model`` file, or a Hugging Face
+    ``tokenizer.json`` (or a folder holding one)."""
+    return HFTokenizer(path) if is_hf_tokenizer(path) else SentencePieceTokenizer(path)

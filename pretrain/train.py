@@ -36,7 +36,7 @@ from pretrain.rundir import prepare_run_dir, run_metadata
 from pretrain.start import StartPoint, check_start, sha256
 from pretrain.stop import StopRequest
 from pretrain.throughput import Throughput
-from pretrain.tokenizer import Tokenizer
+from pretrain.tokenizer import Tokenizer, open_tokenizer
 from runtime import device, parallel, weights
 from runtime.errors import CheckpointError, ConfigError
 from runtime.schedule import forward_backward
@@ -140,7 +140,7 @@ def preflight(config: Config, training: bool = True) -> Tokenizer:
     training and evaluation (``training=False``: the LR schedule is not checked)."""
     # The layout against the launch before megatron builds groups (it would assert).
     validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)), training=training)
-    tokenizer = Tokenizer(config.data.tokenizer)
+    tokenizer = open_tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
                           f"tokenizer's vocabulary ({tokenizer.vocab_size}, "

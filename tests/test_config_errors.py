@@ -83,13 +83,13 @@ def test_user_errors_come_by_kind(tmp_path):
     """One base class for every user mistake (the CLI's one-line exit 2), one subclass per kind
     of input: a bad field, a missing data file, a missing checkpoint."""
     from pretrain import checkpoint
-    from pretrain.tokenizer import Tokenizer
+    from pretrain.tokenizer import open_tokenizer
     from runtime.errors import CheckpointError, DataError, UserError
 
     with pytest.raises(ConfigError):
         ModelConfig(activation="tanh")
     with pytest.raises(DataError, match="does not exist"):
-        Tokenizer(str(tmp_path / "missing.model"))
+        open_tokenizer(str(tmp_path / "missing.model"))
     with pytest.raises(CheckpointError, match="does not exist"):
         checkpoint.find(tmp_path / "no-run" / "checkpoints")
     for kind in (ConfigError, DataError, CheckpointError):

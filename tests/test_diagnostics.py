@@ -245,11 +245,11 @@ def test_run_logs_correct_diagnostics_to_jsonl_and_wandb(single_rank, logged_run
     config = load_config(str(logged_run / "config.toml"))
     # Recompute step 2 by hand: the step-1 checkpoint's weights on the batch step 2 trained on.
     from pretrain.data import build_datasets, step_microbatches
-    from pretrain.tokenizer import Tokenizer
+    from pretrain.tokenizer import open_tokenizer
 
     (model,) = build_model(config.model, config.parallel)
     weights.load([model], logged_run / "checkpoints" / "step_00000001")
-    train_set, _ = build_datasets(config, Tokenizer(config.data.tokenizer))
+    train_set, _ = build_datasets(config, open_tokenizer(config.data.tokenizer))
     d = config.data
     second_batch = d.global_batch_size  # the first sample of step 1
     microbatches = list(step_microbatches(train_set, second_batch, d.global_batch_size,

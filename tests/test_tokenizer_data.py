@@ -25,8 +25,10 @@ from pretrain.tokenizer import (
     EOS,
     PAD,
     UNK,
+    SentencePieceTokenizer,
     Tokenizer,
     iter_documents,
+    open_tokenizer,
     train_tokenizer,
 )
 from runtime.errors import UserError
@@ -77,7 +79,7 @@ def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
 @pytest.fixture(scope="module")
 def tokenizers(corpus, tmp_path_factory) -> dict[str, Tokenizer]:
     folder = tmp_path_factory.mktemp("tokenizers")
-    return {kind: Tokenizer(train_tokenizer([str(corpus[0])], str(folder / kind), VOCAB, kind))
+    return {kind: open_tokenizer(train_tokenizer([str(corpus[0])], str(folder / kind), VOCAB, kind))
             for kind in ("bpe", "unigram")}
 
 
@@ -126,7 +128,7 @@ def test_tokenizer_pickles_and_identifies_by_content(tokenizers, tmp_path):
     assert clone.encode("some text") == tok.encode("some text")
     moved = tmp_path / "moved.model"
     moved.write_bytes(Path(tok.path).read_bytes())
-    assert Tokenizer(str(moved)).unique_identifiers == tok.unique_identifiers
+    assert open_tokenizer(str(moved)).unique_identifiers == tok.unique_identifiers
     assert tokenizers["unigram"].unique_identifiers != tok.unique_identifiers
     json.dumps(tok.unique_identifiers)  # megatron hashes it as JSON
 
@@ -136,7 +138,7 @@ def test_long_lines_are_learnt(corpus, tmp_path):
     to fit, so text found only on a long line still shapes the vocabulary."""
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"text": " ".join(["Жук"] * 3000)}) + "\n", encoding="utf-8")
-    tok = Tokenizer(train_tokenizer([str(corpus[0]), str(data)], str(tmp_path / "t"), VOCAB))
+    tok = open_tokenizer(train_tokenizer([str(corpus[0]), str(data)], str(tmp_path / "t"), VOCAB))
     assert [tok.processor.id_to_piece(i) for i in tok.encode("Жук")] == ["▁Жук"]
 
 
@@ -215,7 +217,7 @@ def test_token_dtype_follows_megatron(tokenizers, corpus, tmp_path, monkeypatch)
     assert DType.optimal_dtype(VOCAB) == DType.optimal_dtype(65_499) == np.uint16
     assert DType.optimal_dtype(65_500) == DType.optimal_dtype(128_256) == np.int32
     tok = tokenizers["bpe"]
-    monkeypatch.setattr(Tokenizer, "vocab_size", property(lambda self: 128_256))
+    monkeypatch.setattr(SentencePieceTokenizer, "vocab_size", property(lambda self: 128_256))
     summary = prepare_data([str(corpus[0])], tok.path, str(tmp_path / "big"))
     dataset = IndexedDataset(str(tmp_path / "big"))
     assert summary["dtype"] == "int32" and dataset.index.dtype == np.int32
@@ -276,12 +278,12 @@ def test_existing_outputs_are_never_overwritten(tmp_path, corpus, tokenizers):
 
 def test_bad_tokenizer_model(tmp_path, corpus):
     missing = str(tmp_path / "none.model")
-    _raises(f"tokenizer '{missing}' does not exist", Tokenizer, missing)
+    _raises(f"tokenizer '{missing}' does not exist", open_tokenizer, missing)
     _raises(f"tokenizer '{missing}' does not exist", prepare_data, [str(corpus[0])], missing,
             str(tmp_path / "out"))
     garbage = tmp_path / "garbage.model"
     garbage.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(300)))
-    _raises(f"tokenizer '{garbage}' is not a sentencepiece model", Tokenizer, str(garbage))
+    _raises(f"tokenizer '{garbage}' is not a sentencepiece model", open_tokenizer, str(garbage))
 
 
 def test_bad_datasets(tmp_path):

@@ -14,7 +14,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 from model.builder import build_model, wrap_ddp
 from pretrain.config import load_config
 from pretrain.data import _dataset_config, build_datasets, check_data
-from pretrain.tokenizer import Tokenizer
+from pretrain.tokenizer import open_tokenizer
 from pretrain.train import evaluate
 from runtime.errors import ConfigError, DataError
 from tests.pretrain_fixtures import REPO, TINY
@@ -40,7 +40,7 @@ RUNS = {"short": ["--run.steps=4", "--run.eval_interval=2"],
 @pytest.fixture(scope="module")
 def valid_sets(single_rank, data, tmp_path_factory) -> dict:
     """Each run's config and validation dataset, built as training builds them."""
-    tokenizer = Tokenizer(data["tokenizer"])
+    tokenizer = open_tokenizer(data["tokenizer"])
     built = {}
     for name, extra in RUNS.items():
         config = _config(data, tmp_path_factory.mktemp(name), *extra)
@@ -71,7 +71,7 @@ def test_a_checkpoint_evaluates_to_the_same_loss_whatever_the_run_length(valid_s
 def test_the_validation_split_must_hold_the_set_without_repeats(single_rank, data, tmp_path):
     """The sample count the check allows is megatron's own count for one pass over the
     validation split: the largest whole-batch set within it is accepted, the next refused."""
-    tokenizer = Tokenizer(data["tokenizer"])
+    tokenizer = open_tokenizer(data["tokenizer"])
     config = _config(data, tmp_path)
     one_pass = dataclasses.replace(_dataset_config(config, tokenizer),
                                    blend=([data["prefix"]], None))  # no size: one epoch

@@ -8,9 +8,9 @@ model at each peak LR (and the 350B-token run at 2e-3), the SiameseNorm ablation
 ~390M depth sweep. Writing them by hand would mean dozens of near-identical files that drift
 apart; here the table of runs is one screen, what the runs share lives in hand-written bases
 (``_recipe.toml``, ``1.3b/_model.toml``, ``depth/_sweep.toml``), and each generated preset
-states only its scheme, LR or shape, run folder and W&B name (and a smaller micro-batch
-where a scheme needs one), so that a run is launched by its file name alone. A new residual scheme gets its presets by running this script again; the
-tests fail until then.
+states only its scheme, LR or shape, run folder and W&B name (and a smaller micro-batch where
+a scheme needs one), so that a run is launched by its file name alone. A new residual scheme
+gets its presets by running this script again; the tests fail until then.
 """
 
 from __future__ import annotations
