@@ -34,6 +34,8 @@ Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
 Without --config, train, eval and generate use the config.toml of the run folder named by
 --run.dir (eval and generate: the run folder holding --checkpoint)."""
 CHECKPOINT_COMMANDS = ("eval", "generate")  # read a checkpoint, take config overrides
+INPUTS_HELP = (".jsonl/.json[.gz] (one document per line), .parquet, .arrow, a datasets "
+               "save_to_disk folder, or text[.gz] (paragraph = document)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,18 +48,21 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     t = sub.add_parser("train-tokenizer", help="train a sentencepiece tokenizer")
-    t.add_argument("inputs", nargs="+", help=".txt (paragraph = document) or .jsonl files")
+    t.add_argument("inputs", nargs="+", help=INPUTS_HELP)
     t.add_argument("--output", required=True, help="output prefix (writes PREFIX.model)")
     t.add_argument("--vocab-size", type=int, default=8192)
     t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
                    help="sentencepiece model type (pretrain.tokenizer.ModelType)")
 
     d = sub.add_parser("prepare-data", help="tokenise text into a Megatron indexed dataset")
-    d.add_argument("inputs", nargs="+")
+    d.add_argument("inputs", nargs="+", help=INPUTS_HELP)
     d.add_argument("--tokenizer", required=True,
                    help="sentencepiece .model file, or a Hugging Face tokenizer.json or its folder")
     d.add_argument("--output", required=True, help="output prefix (PREFIX.bin/.idx)")
     d.add_argument("--workers", type=int, default=1)
+    for command in (t, d):
+        command.add_argument("--text-field", default="text",
+                             help="the text field (JSON lines) or column (tables) to read")
 
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
                        ("eval", "validation loss and perplexity of a checkpoint"),
@@ -107,13 +112,15 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
     if args.command == "train-tokenizer":
         from pretrain.tokenizer import train_tokenizer
 
-        path = train_tokenizer(args.inputs, args.output, args.vocab_size, args.model_type)
+        path = train_tokenizer(args.inputs, args.output, args.vocab_size, args.model_type,
+                               args.text_field)
         print(path)
         return 0
     if args.command == "prepare-data":
         from pretrain.prepare import prepare_data
 
-        print(json.dumps(prepare_data(args.inputs, args.tokenizer, args.output, args.workers)))
+        print(json.dumps(prepare_data(args.inputs, args.tokenizer, args.output, args.workers,
+                                      args.text_field)))
         return 0
 
     from pretrain.config import load_config

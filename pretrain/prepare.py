@@ -24,8 +24,9 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
+from pretrain.documents import check_input, iter_documents
 from pretrain.paths import require_creatable, require_file
-from pretrain.tokenizer import Tokenizer, iter_documents, open_tokenizer, require_data_file
+from pretrain.tokenizer import Tokenizer, open_tokenizer
 from runtime.errors import ConfigError, DataError
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
@@ -56,22 +57,22 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode_chunk(_worker_tokenizer, texts)
 
 
-def _chunks(inputs: list[str]) -> Iterator[list[str]]:
-    documents = (doc for path in inputs for doc in iter_documents(path))
+def _chunks(inputs: list[str], text_field: str) -> Iterator[list[str]]:
+    documents = (doc for path in inputs for doc in iter_documents(path, text_field))
     while chunk := list(islice(documents, CHUNK_DOCUMENTS)):
         yield chunk
 
 
-def _encoded(inputs: list[str], tokenizer: Tokenizer,
-             workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded(inputs: list[str], tokenizer: Tokenizer, workers: int,
+             text_field: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encoded chunks in input order. Pool.imap would read the whole input ahead of the
     workers, so chunks are submitted by hand, at most two per worker ahead of the writer."""
     if workers == 1:
-        yield from (_encode_chunk(tokenizer, chunk) for chunk in _chunks(inputs))
+        yield from (_encode_chunk(tokenizer, chunk) for chunk in _chunks(inputs, text_field))
         return
     with Pool(workers, _init_worker, (tokenizer.path,)) as pool:
         window: deque[AsyncResult] = deque()
-        for chunk in _chunks(inputs):
+        for chunk in _chunks(inputs, text_field):
             window.append(pool.apply_async(_encode_in_worker, (chunk,)))
             if len(window) > 2 * workers:
                 yield window.popleft().get()
@@ -95,8 +96,9 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> tuple[int, int]:
 
 
 def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
-                 workers: int = 1) -> dict:
-    """Tokenise the documents of ``inputs`` (in order) into ``output_prefix``.bin/.idx.
+                 workers: int = 1, text_field: str = "text") -> dict:
+    """Tokenise the documents of ``inputs`` (in order; any format of ``pretrain.documents``,
+    text read from ``text_field``) into ``output_prefix``.bin/.idx.
 
     Returns {"documents", "tokens" (EOD included), "dtype", "prefix"}.
     """
@@ -110,14 +112,14 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
     if not inputs:
         raise ConfigError("prepare-data needs at least one data file")
     for path in inputs:
-        require_data_file(path)
+        check_input(path, text_field)
     tokenizer = open_tokenizer(tokenizer_model)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin, tmp_idx = (Path(f"{p}.tmp{os.getpid()}") for p in (bin_path, idx_path))
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-        documents, tokens = _write(builder, _encoded(inputs, tokenizer, workers))
+        documents, tokens = _write(builder, _encoded(inputs, tokenizer, workers, text_field))
         builder.finalize(str(tmp_idx))
         for tmp, final in ((tmp_bin, bin_path), (tmp_idx, idx_path)):
             if final.exists():  # appeared while we worked: still never overwrite it

@@ -18,7 +18,6 @@ dummy prefix stays on (a document's first word is tokenised like any other, as "
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from pretrain.documents import check_input, iter_documents
 from pretrain.hf_tokenizer import HFTokenizer, is_hf_tokenizer
 from pretrain.paths import require_creatable, require_file
 from runtime.errors import ConfigError, DataError
@@ -49,71 +49,6 @@ MAX_TRAINING_SENTENCES = 5_000_000
 SENTENCE_CHARS = 1024
 
 log = logging.getLogger(__name__)
-
-
-def require_data_file(path: str) -> Path:
-    """Check an input early so a typo fails before minutes of work, naming the file."""
-    file = require_file(path, "data file", DataError)
-    if file.stat().st_size == 0:
-        raise DataError(f"data file '{path}' is empty")
-    return file
-
-
-def _lines(path: str, file: Path) -> Iterator[tuple[int, str]]:
-    """(number, line) with line endings kept. Read as bytes so a bad byte is reported with its
-    exact line, and so "\\r" is never rewritten (the text must reach the tokenizer unchanged)."""
-    with file.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"data file '{path}' line {number} is not UTF-8") from None
-            yield number, line.removeprefix("\ufeff") if number == 1 else line
-
-
-def _json_documents(path: str, file: Path) -> Iterator[str]:
-    for number, line in _lines(path, file):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise DataError(f"data file '{path}' line {number} is not a JSON object with a "
-                              "string \"text\" field")
-        yield text
-
-
-def _paragraphs(path: str, file: Path) -> Iterator[str]:
-    paragraph: list[str] = []
-    for _, line in _lines(path, file):
-        if line.strip():
-            paragraph.append(line)
-        elif paragraph:
-            yield "".join(paragraph).rstrip("\r\n")
-            paragraph = []
-    if paragraph:
-        yield "".join(paragraph).rstrip("\r\n")
-
-
-def iter_documents(path: str) -> Iterator[str]:
-    """Documents of ``path``, streamed: the "text" field of each line of a .jsonl/.json file,
-    or the blank-line-separated paragraphs of any other (text) file.
-
-    Empty "text" values are skipped: they would only add a lone EOD token. A file that yields
-    no document at all is an error, since it is almost always the wrong file.
-    """
-    file = require_data_file(path)
-    is_json = file.suffix.lower() in (".jsonl", ".json")
-    count = 0
-    for document in (_json_documents if is_json else _paragraphs)(path, file):
-        if document:
-            count += 1
-            yield document
-    if count == 0:
-        raise DataError(f"data file '{path}' has no documents")
 
 
 def _training_sentences(document: str) -> Iterator[str]:
@@ -148,7 +83,7 @@ def _require_new(*paths: Path) -> None:
 
 
 def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
-                    model_type: str = "bpe") -> str:
+                    model_type: str = "bpe", text_field: str = "text") -> str:
     """Train a BPE or unigram model on the documents of ``inputs``; returns the .model path.
 
     Writes ``<output_prefix>.model`` and ``.vocab`` under temporary names first and refuses to
@@ -167,7 +102,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     if not inputs:
         raise ConfigError("train-tokenizer needs at least one data file")
     for path in inputs:
-        require_data_file(path)
+        check_input(path, text_field)
     failures: list[BaseException] = []
 
     def sentences() -> Iterator[str]:
@@ -175,7 +110,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
         # original (e.g. a DataError naming a bad JSONL line) to re-raise it unchanged.
         try:
             for path in inputs:
-                for document in iter_documents(path):
+                for document in iter_documents(path, text_field):
                     yield from _training_sentences(document)
         except BaseException as err:
             failures.append(err)

@@ -19,6 +19,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from megatron.core.datasets.utils import Split
 
 from pretrain import prepare
+from pretrain.documents import iter_documents
 from pretrain.prepare import check_dataset, prepare_data
 from pretrain.tokenizer import (
     BOS,
@@ -27,7 +28,6 @@ from pretrain.tokenizer import (
     UNK,
     SentencePieceTokenizer,
     Tokenizer,
-    iter_documents,
     open_tokenizer,
     train_tokenizer,
 )

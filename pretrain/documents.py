@@ -1,0 +1,201 @@
+"""The documents of a data input, streamed: what ``train-tokenizer`` and ``prepare-data`` read.
+
+An input is one of:
+
+- a JSON-lines file (``.jsonl``, ``.json``, optionally ``.gz``): one document per line, the
+  string field ``text_field`` (default "text");
+- a Parquet file (``.parquet``) or an Arrow file (``.arrow``, IPC file or stream format, as
+  Hugging Face ``datasets`` writes them): the string column ``text_field``, read a record batch
+  at a time;
+- a folder written by ``datasets``' ``save_to_disk`` (one split): its column ``text_field``,
+  through ``datasets.load_from_disk``, which memory-maps the Arrow files;
+- any other file (optionally ``.gz``): plain text, blank-line-separated paragraphs.
+
+Nothing is loaded whole, so a corpus larger than memory streams through. Empty documents are
+skipped (they would only add a lone EOD token); an input that yields no document at all is an
+error, since it is almost always the wrong file or field.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from pretrain.paths import require_file
+from runtime.errors import DataError
+
+BATCH_ROWS = 1024
+JSON_SUFFIXES = (".jsonl", ".json")
+TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+def require_data_input(path: str) -> Path:
+    """Check an input early so a typo fails before minutes of work, naming it."""
+    if Path(path).is_dir():
+        return Path(path)
+    file = require_file(path, "data file", DataError)
+    if file.stat().st_size == 0:
+        raise DataError(f"data file '{path}' is empty")
+    return file
+
+
+def _base_suffix(file: Path) -> str:
+    """The format suffix, under a .gz if there is one."""
+    suffixes = [s.lower() for s in file.suffixes]
+    if suffixes[-1:] == [".gz"]:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _lines(path: str, file: Path) -> Iterator[tuple[int, str]]:
+    """(number, line) with line endings kept. Read as bytes so a bad byte is reported with its
+    exact line, and so "\\r" is never rewritten (the text must reach the tokenizer unchanged)."""
+    opener = gzip.open if file.suffix.lower() == ".gz" else open
+    try:
+        with opener(file, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise DataError(f"data file '{path}' line {number} is not UTF-8") from None
+                yield number, line.removeprefix("\ufeff") if number == 1 else line
+    except (gzip.BadGzipFile, EOFError):
+        raise DataError(f"data file '{path}' is not a complete gzip file") from None
+
+
+def _json_documents(path: str, file: Path, field: str) -> Iterator[str]:
+    for number, line in _lines(path, file):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"data file '{path}' line {number} is not a JSON object with a "
+                            f"string \"{field}\" field")
+        yield text
+
+
+def _paragraphs(path: str, file: Path, _field: str) -> Iterator[str]:
+    paragraph: list[str] = []
+    for _, line in _lines(path, file):
+        if line.strip():
+            paragraph.append(line)
+        elif paragraph:
+            yield "".join(paragraph).rstrip("\r\n")
+            paragraph = []
+    if paragraph:
+        yield "".join(paragraph).rstrip("\r\n")
+
+
+def _text_column(path: str, schema, field: str) -> None:
+    """Refuse a missing or non-text column (of an Arrow schema), naming what is there."""
+    import pyarrow as pa
+
+    if field not in schema.names:
+        _no_column(path, field, schema.names)
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            or pa.types.is_string_view(kind)):
+        _not_text(path, field, kind)
+
+
+def _no_column(path: str, field: str, names) -> None:
+    raise DataError(f"data file '{path}' has no column '{field}' (--text-field); its "
+                    f"columns: {', '.join(names)}")
+
+
+def _not_text(path: str, field: str, kind) -> None:
+    raise DataError(f"column '{field}' of data file '{path}' holds {kind}, not text "
+                    "(--text-field names the text column)")
+
+
+def _column_texts(path: str, columns: Iterator[list], field: str) -> Iterator[str]:
+    """The texts of a column given as successive lists of values."""
+    row = 0
+    for values in columns:
+        for text in values:
+            if text is None:
+                raise DataError(f"data file '{path}' row {row} has no '{field}' (null)")
+            row += 1
+            yield text
+
+
+def _table_documents(path: str, file: Path, field: str) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        if file.suffix.lower() == ".parquet":
+            reader = pq.ParquetFile(file)
+            schema = reader.schema_arrow
+            batches = reader.iter_batches(batch_size=BATCH_ROWS, columns=[field])
+        else:
+            source = pa.memory_map(str(file))
+            try:
+                reader = pa.ipc.open_file(source)
+                schema = reader.schema
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:  # datasets writes the stream format
+                source.seek(0)
+                reader = pa.ipc.open_stream(source)
+                schema, batches = reader.schema, reader
+        _text_column(path, schema, field)
+        yield from _column_texts(path, (b.column(field).to_pylist() for b in batches), field)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise DataError(f"data file '{path}' is not a readable {file.suffix} file "
+                        f"({str(err).splitlines()[0]})") from None
+
+
+def _saved_dataset_documents(path: str, folder: Path, field: str) -> Iterator[str]:
+    import datasets
+
+    try:
+        dataset = datasets.load_from_disk(str(folder))
+    except FileNotFoundError:
+        raise DataError(f"data folder '{path}' is not a dataset written by datasets' "
+                        "save_to_disk") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        raise DataError(f"data folder '{path}' holds the splits {', '.join(dataset)}; give "
+                        f"the folder of one, e.g. '{folder / next(iter(dataset))}'")
+    feature = dataset.features.get(field)
+    if feature is None:
+        _no_column(path, field, dataset.column_names)
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        _not_text(path, field, feature)
+    # iter() follows the dataset's own row order (a shuffled or selected dataset keeps an
+    # index mapping over its Arrow files)
+    batches = dataset.select_columns([field]).iter(batch_size=BATCH_ROWS)
+    yield from _column_texts(path, (batch[field] for batch in batches), field)
+
+
+def check_input(path: str, text_field: str = "text") -> None:
+    """Read the first document of ``path``, so a missing file, a wrong format, field or column
+    fails in one line before any work starts (and before a progress bar is drawn)."""
+    documents = iter_documents(path, text_field)
+    next(documents)
+    documents.close()
+
+
+def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
+    """Documents of ``path`` (see the module docstring for the formats), in order."""
+    source = require_data_input(path)
+    if source.is_dir():
+        reader = _saved_dataset_documents
+    elif _base_suffix(source) in JSON_SUFFIXES:
+        reader = _json_documents
+    elif source.suffix.lower() in TABLE_SUFFIXES:
+        reader = _table_documents
+    else:
+        reader = _paragraphs
+    count = 0
+    for document in reader(path, source, text_field):
+        if document:
+            count += 1
+            yield document
+    if count == 0:
+        raise DataError(f"data file '{path}' has no documents")
