@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -95,25 +96,43 @@ def local_tensors(chunk: torch.nn.Module) -> list[ShardedTensor]:
     return found
 
 
+Source = Callable[[ShardedTensor, str], "torch.Tensor | None"]
+"""What :func:`fill` copies from: given a local tensor and its global name (key and block
+index), the whole global tensor, or None to keep the tensor as built."""
+
+
 @torch.no_grad()
-def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
-    """Overwrite every random weight of ``chunks`` with its layout-independent draw."""
+def fill(chunks: list[torch.nn.Module], source: Source) -> None:
+    """Copy into every local tensor of ``chunks`` its slice of the global tensor ``source``
+    gives (one call per global tensor: SwiGLU's two fc1 halves come one after the other)."""
     name, full = None, None
     for chunk in chunks:
         for tensor in local_tensors(chunk):
-            std = std_of(model, tensor.key)
-            if std is None:
-                if not tensor.key.endswith(getattr(model.residual_scheme.module, "FIXED_INIT", ())):
-                    _require_constant(tensor)
-                continue
             blocks = tensor.prepend_axis_num  # stacked blocks: the leading global block index
             previous, name = name, f"{tensor.key}{list(tensor.global_offset[:blocks])}"
-            if name != previous:  # SwiGLU's two fc1 halves come one after the other
-                full = draw(model, seed, name, tensor.key, tuple(tensor.global_shape[blocks:]),
-                            std)
+            if name != previous:
+                full = source(tensor, name)
+            if full is None:
+                continue
             where = tuple(slice(offset, offset + size) for offset, size in
                           zip(tensor.global_offset[blocks:], tensor.data.shape, strict=True))
             tensor.data.copy_(full[where])
+
+
+def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
+    """Overwrite every random weight of ``chunks`` with its layout-independent draw."""
+    fixed = getattr(model.residual_scheme.module, "FIXED_INIT", ())
+
+    def drawn(tensor: ShardedTensor, name: str) -> torch.Tensor | None:
+        std = std_of(model, tensor.key)
+        if std is None:
+            if not tensor.key.endswith(fixed):
+                _require_constant(tensor)
+            return None
+        shape = tuple(tensor.global_shape[tensor.prepend_axis_num:])
+        return draw(model, seed, name, tensor.key, shape, std)
+
+    fill(chunks, drawn)
 
 
 def _require_constant(tensor: ShardedTensor) -> None:

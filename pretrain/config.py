@@ -117,8 +117,10 @@ class RunConfig:
     data position (samples and tokens consumed) on the new data. Otherwise such a resume is
     refused, naming what changed."""
     init_from: str = ""
-    """Start a new run from the model weights of this checkpoint (fresh optimizer, step 0).
-    Ignored when the run folder already holds a checkpoint to resume from."""
+    """Start a new run from the model weights of this checkpoint (fresh optimizer, step 0):
+    a checkpoint of this framework, or a Hugging Face Llama folder (config.json +
+    safetensors) for a ``pre`` model of the same shape. Ignored when the run folder already
+    holds a checkpoint to resume from."""
     params_dtype: ParamsDtype = ParamsDtype.AUTO
     """auto (bf16 on GPU, fp32 on CPU), fp32 or bf16."""
     deterministic: bool = False

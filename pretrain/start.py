@@ -12,7 +12,7 @@ import hashlib
 from pathlib import Path
 from typing import NamedTuple
 
-from pretrain import checkpoint, identity
+from pretrain import checkpoint, hf_llama, identity
 from pretrain.config import Config
 from pretrain.identity import START, DataPosition
 from runtime.errors import ConfigError
@@ -57,6 +57,15 @@ def weights_source(path: str, model: dict) -> Path:
     return found
 
 
+def _init_source(path: str, config: Config, model: dict) -> Path:
+    """run.init_from: a megatron checkpoint of this model, or a Hugging Face Llama folder
+    whose config matches it (``pretrain.hf_llama``)."""
+    if hf_llama.is_hf_folder(path):
+        hf_llama.check(path, config.model)
+        return Path(path)
+    return weights_source(path, model)
+
+
 def check_start(config: Config, config_path: str | None) -> StartPoint:
     """What this start resumes or loads, checked against the config before a tensor is read:
     the model (always), the data (on resume), edits of RUN/config.toml."""
@@ -65,7 +74,7 @@ def check_start(config: Config, config_path: str | None) -> StartPoint:
     current = identity.run_identity(config)
     previous = checkpoint.resolve(run_dir / "checkpoints")
     if previous is None:
-        weights = weights_source(r.init_from, current["model"]) if r.init_from else None
+        weights = _init_source(r.init_from, config, current["model"]) if r.init_from else None
         return StartPoint(None, {}, START, weights, current)
     record = checkpoint.read_record(previous)
     identity.check_model(record.get("model"), current["model"], previous)

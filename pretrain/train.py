@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import Float16Module
 
 from model.builder import build_model, count_parameters, wrap_ddp
-from pretrain import checkpoint, console, diagnostics
+from pretrain import checkpoint, console, diagnostics, hf_llama
 from pretrain.config import Config, ParamsDtype, validate
 from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
 from pretrain.dry_run import human
@@ -203,7 +203,12 @@ def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: St
     if begin.previous is not None:
         checkpoint.load(begin.previous, begin.record, chunks, optimizer, scheduler)
     elif begin.weights is not None:
-        weights.load(chunks, begin.weights)
+        if hf_llama.is_hf_folder(str(begin.weights)):
+            hf_llama.load(chunks, str(begin.weights), config.model)
+        else:
+            weights.load(chunks, begin.weights)
+        # bf16: the optimizer's fp32 main weights were copied at its creation; refresh them
+        optimizer.reload_model_params()
     start = begin.position.step
     if parallel.any_rank(stop.requested):
         return _stopped_in_start_up(stop, start)

@@ -125,3 +125,23 @@ def run_fresh(layout: dict, cases: dict[str, tuple[str, dict]], workdir: str,
             with open(os.path.join(folder, "loss.json"), "w") as f:
                 json.dump(sum(map(sum, per_rank)) / sum(map(len, per_rank)), f)
     parallel.destroy()
+
+
+def run_llama_import(folder: str, model, workdir: str) -> None:
+    """Load a Hugging Face Llama into ``model`` at TP=2 x PP=2 and write the mean loss of the
+    parity batches."""
+    from pretrain import hf_llama
+
+    par = ParallelConfig(tp=2, pp=2, distributed_optimizer=False)
+    parallel.initialize(par)
+    chunks = wrap_ddp(build_model(model, par, norm_backend="torch"), par)
+    hf_llama.load(chunks, folder, model)
+    losses = [float(loss) for loss in forward_backward(chunks, batches(MICROBATCHES),
+                                                       MICROBATCHES, SEQ, MBS)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
+    if dist.get_rank() == 0:
+        [losses] = [g for g in gathered if g][:1]
+        with open(os.path.join(workdir, "loss.json"), "w") as f:
+            json.dump(sum(losses) / len(losses), f)
+    parallel.destroy()
