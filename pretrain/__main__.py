@@ -1,4 +1,6 @@
-"""``python -m pretrain <command>``: train-tokenizer, prepare-data, train, eval, generate.
+"""``python -m pretrain <command>``: tokenizers, data, training, evaluation, text, export.
+
+Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
 an aborted run (e.g. repeated NaN/Inf) exits 3.
@@ -33,7 +35,7 @@ Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
   every field is documented in model/config.py and pretrain/config.py.
 Without --config, train, eval and generate use the config.toml of the run folder named by
 --run.dir (eval and generate: the run folder holding --checkpoint)."""
-CHECKPOINT_COMMANDS = ("eval", "generate")  # read a checkpoint, take config overrides
+CHECKPOINT_COMMANDS = ("eval", "generate", "export-hf")  # read a checkpoint, take overrides
 INPUTS_HELP = (".jsonl/.json[.gz] (one document per line), .parquet, .arrow, a datasets "
                "save_to_disk folder, or text[.gz] (paragraph = document)")
 
@@ -66,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
                        ("eval", "validation loss and perplexity of a checkpoint"),
-                       ("generate", "sample text from a checkpoint (greedy or seeded)")):
+                       ("generate", "sample text from a checkpoint (greedy or seeded)"),
+                       ("export-hf", "write a pre checkpoint as a Hugging Face Llama folder")):
         c = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("--config", help="TOML file (configs/*.toml)")
@@ -76,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--checkpoint", required=True,
                            help="a checkpoint folder, or a run's checkpoints/ folder")
+        if name == "export-hf":
+            c.add_argument("--output", required=True, help="a new folder")
         if name == "generate":
             c.add_argument("--prompt", action="append", required=True,
                            help="text to continue (repeat for several prompts)")
@@ -139,6 +144,11 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
     with cpu_compat.enabled():  # megatron's CUDA bookkeeping on a CPU machine, for this run
         try:
+            if args.command == "export-hf":
+                from pretrain.hf_export import export_hf
+
+                print(strict_json(export_hf(config, args.checkpoint, args.output)))
+                return 0
             if args.command == "generate":
                 from pretrain.generate import Sampling, generate_from_checkpoint
 

@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from model.config import ModelConfig
 from model.init import fill
 from model.schemes import Activation, Normalization, PositionEmbedding, ResidualScheme
-from runtime.errors import CheckpointError
+from runtime.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("pretrain")
 
@@ -39,6 +39,23 @@ def _hf_config(folder: str) -> dict:
         return json.loads((Path(folder) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         raise CheckpointError(f"'{folder}/config.json' is not a readable JSON file") from None
+
+
+# What makes a model of this framework a Llama.
+LLAMA_CHOICES = {"residual_scheme": ResidualScheme.PRE, "normalization": Normalization.RMSNORM,
+                 "activation": Activation.SWIGLU, "position_embedding": PositionEmbedding.ROPE,
+                 "add_bias_linear": False}
+
+
+def require_llama_shape(model: ModelConfig, what: str) -> None:
+    """Refuse, naming the fields, a model that is not a Llama."""
+    wrong = [f"model.{name} ({getattr(model, name)})" for name, value in LLAMA_CHOICES.items()
+             if getattr(model, name) != value]
+    if wrong:
+        raise ConfigError(f"{what} handles Llama-shaped models only (pre, rmsnorm, swiglu, "
+                          f"rope, no linear bias); this one has {', '.join(wrong)} "
+                          "(exporting the other schemes needs remote-code modeling files, "
+                          "not built yet)")
 
 
 def check(folder: str, model: ModelConfig) -> None:
