@@ -1,6 +1,6 @@
 """``python -m pretrain <command>``: tokenizers, data, training, evaluation, text, export.
 
-Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf.
+Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf, lm-eval.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
 an aborted run (e.g. repeated NaN/Inf) exits 3.
@@ -35,7 +35,8 @@ Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
   every field is documented in model/config.py and pretrain/config.py.
 Without --config, train, eval and generate use the config.toml of the run folder named by
 --run.dir (eval and generate: the run folder holding --checkpoint)."""
-CHECKPOINT_COMMANDS = ("eval", "generate", "export-hf")  # read a checkpoint, take overrides
+# read a checkpoint, take config overrides
+CHECKPOINT_COMMANDS = ("eval", "generate", "export-hf", "lm-eval")
 INPUTS_HELP = (".jsonl/.json[.gz] (one document per line), .parquet, .arrow, a datasets "
                "save_to_disk folder, or text[.gz] (paragraph = document)")
 
@@ -69,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
                        ("eval", "validation loss and perplexity of a checkpoint"),
                        ("generate", "sample text from a checkpoint (greedy or seeded)"),
-                       ("export-hf", "write a pre checkpoint as a Hugging Face Llama folder")):
+                       ("export-hf", "write a pre checkpoint as a Hugging Face Llama folder"),
+                       ("lm-eval", "score lm-evaluation-harness tasks with a checkpoint")):
         c = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("--config", help="TOML file (configs/*.toml)")
@@ -81,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
                            help="a checkpoint folder, or a run's checkpoints/ folder")
         if name == "export-hf":
             c.add_argument("--output", required=True, help="a new folder")
+        if name == "lm-eval":
+            c.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+            c.add_argument("--include-path", help="a folder of local task YAML files")
+            c.add_argument("--num-fewshot", type=int)
+            c.add_argument("--limit", type=int, help="at most this many documents per task")
         if name == "generate":
             c.add_argument("--prompt", action="append", required=True,
                            help="text to continue (repeat for several prompts)")
@@ -144,6 +151,12 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
     with cpu_compat.enabled():  # megatron's CUDA bookkeeping on a CPU machine, for this run
         try:
+            if args.command == "lm-eval":
+                from pretrain.lm_eval_model import run_lm_eval
+
+                print(strict_json(run_lm_eval(config, args.checkpoint, args.tasks.split(","),
+                                              args.include_path, args.num_fewshot, args.limit)))
+                return 0
             if args.command == "export-hf":
                 from pretrain.hf_export import export_hf
 

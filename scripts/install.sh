@@ -11,4 +11,4 @@ pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
 pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 # megatron-core 0.19.2's metadata asks for Python >= 3.12; its cp311 wheel works on 3.11.
 pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
-pip install -q -e ".[dev,demo,sweep]"
+pip install -q -e ".[dev,demo,sweep,eval]"

@@ -1,0 +1,134 @@
+"""``lm-eval``: lm-evaluation-harness tasks scored by this framework's own model.
+
+:class:`FrameworkLM` is an lm-eval language model over a loaded checkpoint of any residual
+scheme (no export needed), on the CPU or a GPU: log-likelihoods of continuations (multiple
+choice tasks such as hellaswag or arc), rolling log-likelihoods (perplexity tasks) and greedy
+generation until a stop string. Requests are scored one sequence at a time, each in a window
+of at most ``model.seq_length`` tokens (the most recent kept), which is simple and exact but
+does not batch.
+
+Results are printed and appended to the run folder's ``eval.jsonl`` (with the checkpoint and
+tasks), next to the validation results of ``eval``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from lm_eval import simple_evaluate
+from lm_eval.api.model import TemplateLM
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from model.config import ParallelConfig
+from pretrain import identity
+from pretrain.config import Config, validate
+from pretrain.generate import Sampling, continue_tokens
+from pretrain.metrics import strict_json
+from pretrain.start import weights_source
+from pretrain.tokenizer import Tokenizer, open_tokenizer
+from pretrain.train import setup
+from runtime import device, weights
+from runtime.errors import ConfigError
+
+
+class FrameworkLM(TemplateLM):
+    def __init__(self, model, tokenizer: Tokenizer, vocab_size: int, seq_length: int):
+        super().__init__()
+        self.model, self.tok = model, tokenizer
+        self.vocab_size, self.seq_length = vocab_size, seq_length
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eod
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   **kwargs) -> list[int]:
+        return self.tok.encode(string)
+
+    @torch.no_grad()
+    def _log_probs(self, tokens: list[int]) -> torch.Tensor:
+        """log p(token i+1 | tokens up to i) for the window ``tokens`` ([len - 1, vocab])."""
+        where = device.compute_device()
+        inputs = torch.tensor([tokens[:-1]], device=where)
+        positions = torch.arange(inputs.shape[1], device=where).unsqueeze(0)
+        logits = self.model(inputs, positions, None)[0, :, :self.vocab_size].float()
+        return logits.log_softmax(-1).cpu()
+
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """(sum of log p(continuation | context), whether it is the greedy continuation)."""
+        window = (context + continuation)[-(self.seq_length + 1):]
+        log_probs = self._log_probs(window)[-len(continuation):]
+        target = torch.tensor(continuation)
+        picked = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        return float(picked.sum()), bool((log_probs.argmax(-1) == target).all())
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        return [self._score(context, continuation)
+                for _, context, continuation in requests]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        totals = []
+        for request in requests:
+            (text,) = request.args
+            windows = get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.eot_token_id,
+                max_seq_len=self.seq_length, context_len=1)
+            totals.append(sum(self._score(*make_disjoint_window(w))[0] for w in windows))
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        outputs = []
+        for request in requests:
+            context, options = request.args
+            until = options.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            sampling = Sampling(max_tokens=int(options.get("max_gen_toks", 256)))
+            new = continue_tokens(self.model, self.tok_encode(context), sampling,
+                                  self.vocab_size, self.seq_length, self.eot_token_id)
+            text = self.tok.decode(new)
+            for stop in until:
+                text = text.split(stop)[0]
+            outputs.append(text)
+        return outputs
+
+
+def _finite(value):
+    """lm-eval's results as strict JSON: non-finite numbers (a stderr of one sample) -> None."""
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if isinstance(value, str | int | float | bool | None) else str(value)
+
+
+def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path: str | None,
+                num_fewshot: int | None, limit: int | None) -> dict:
+    """Score ``tasks`` with the checkpoint's model; {"checkpoint", "tasks", "results"}."""
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise ConfigError("lm-eval runs in one process; start it without torchrun")
+    config.parallel = ParallelConfig()  # any layout's checkpoint loads whole here
+    validate(config, world_size=1, training=False)
+    manager = TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise ConfigError(f"lm-eval --tasks: unknown task(s) {', '.join(unknown)}"
+                          + ("" if include_path else " (local tasks need --include-path)"))
+    tokenizer = open_tokenizer(config.data.tokenizer)
+    found = weights_source(checkpoint, identity.model_identity(config))
+    [model] = setup(config)
+    weights.load([model], found)
+    model.eval()
+    lm = FrameworkLM(model, tokenizer, tokenizer.vocab_size, config.model.seq_length)
+    out = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                          task_manager=manager, log_samples=False)
+    result = {"checkpoint": str(found), "tasks": tasks, "results": _finite(out["results"])}
+    if Path(config.run.dir).is_dir():
+        with (Path(config.run.dir) / "eval.jsonl").open("a") as f:
+            f.write(strict_json(result) + "\n")
+    return result

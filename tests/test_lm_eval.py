@@ -1,0 +1,93 @@
+"""``lm-eval``: a local lm-evaluation-harness task (YAML over a JSONL file) scored by the
+framework's model gives the accuracy of a direct log-likelihood computation."""
+
+import json
+
+import pytest
+import torch
+
+from model.builder import build_model
+from pretrain.config import load_config
+from pretrain.tokenizer import open_tokenizer
+from runtime import weights
+from tests.pretrain_fixtures import cli, train_args
+
+QUESTIONS = [
+    ("The for statement is used to", ["iterate over the elements", "blue cheese", "zzz"], 0),
+    ("A function definition defines", ["nothing at all", "a user-defined function", "x"], 1),
+    ("The import statement", ["finds and loads a module", "is red", "sings"], 0),
+    ("Exceptions are raised", ["by cats", "when an error occurs", "ok"], 1),
+    ("The while statement is used for", ["dinner", "repeated execution", "q"], 1),
+    ("Comparisons yield", ["boolean values", "fish", "the moon"], 0),
+]
+TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def setup(data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_eval")
+    run = root / "run"
+    cli(*train_args(data, run, "--run.steps=6", "--run.eval_interval=100"))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    with (tasks / "choice.jsonl").open("w") as f:
+        for question, choices, answer in QUESTIONS:
+            f.write(json.dumps({"question": question, "choices": choices,
+                                "answer": answer}) + "\n")
+    (tasks / "tiny_choice.yaml").write_text(TASK.format(data=tasks / "choice.jsonl"))
+    return run, tasks
+
+
+def direct_accuracy(run) -> float:
+    """Pick each question's most likely choice, from the model's logits directly (lm-eval's
+    tokenisation: the continuation is " choice", split off the encoded whole)."""
+    config = load_config(str(run / "config.toml"), [], training=False)
+    tok = open_tokenizer(config.data.tokenizer)
+    [model] = build_model(config.model, type(config.parallel)(), seed=1)
+    weights.load([model], str(sorted((run / "checkpoints").glob("step_*"))[-1]))
+    model.eval()
+    right = 0
+    for question, choices, answer in QUESTIONS:
+        scores = []
+        for choice in choices:
+            context = tok.encode(question)
+            continuation = tok.encode(question + " " + choice)[len(context):]
+            tokens = torch.tensor([context + continuation])
+            with torch.no_grad():
+                logits = model(tokens[:, :-1], torch.arange(tokens.shape[1] - 1)[None], None)
+            log_probs = logits[0, -len(continuation):, :tok.vocab_size].log_softmax(-1)
+            scores.append(log_probs.gather(-1, torch.tensor(continuation)[:, None]).sum())
+        right += int(torch.stack(scores).argmax()) == answer
+    return right / len(QUESTIONS)
+
+
+def test_local_task_accuracy_equals_direct_loglikelihood(single_rank, setup):
+    run, tasks = setup
+    done = cli("lm-eval", "--checkpoint", str(run / "checkpoints"), "--tasks", "tiny_choice",
+               "--include-path", str(tasks), extra_env=OFFLINE)
+    result = json.loads(done.stdout.splitlines()[-1])
+    accuracy = result["results"]["tiny_choice"]["acc,none"]
+    assert accuracy == pytest.approx(direct_accuracy(run), abs=1e-9)
+    logged = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert logged[-1]["tasks"] == ["tiny_choice"]
+
+
+def test_unknown_task_is_one_line(setup):
+    run, tasks = setup
+    done = cli("lm-eval", "--checkpoint", str(run / "checkpoints"), "--tasks", "no_such_task",
+               "--include-path", str(tasks), check=False, extra_env=OFFLINE)
+    assert done.returncode == 2 and "unknown task(s) no_such_task" in done.stderr
+    assert done.stderr.strip().count("\n") == 0, done.stderr
