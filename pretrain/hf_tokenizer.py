@@ -41,9 +41,12 @@ class HFTokenizer:
 
         given = Path(path)
         file = given / "tokenizer.json" if given.is_dir() else given
+        if given.is_dir() and not file.is_file():
+            raise DataError(f"tokenizer '{path}' is a folder without a tokenizer.json (a "
+                            "tokenizer is a sentencepiece .model file, a Hugging Face "
+                            "tokenizer.json, or a folder holding one)")
         if not file.is_file():
-            raise DataError(f"tokenizer '{path}' does not exist"
-                            + (" (no tokenizer.json in the folder)" if given.is_dir() else ""))
+            raise DataError(f"tokenizer '{path}' does not exist")
         blob = file.read_bytes()
         try:
             self.backend = Backend.from_str(blob.decode())

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from model.config import ParallelConfig
 from runtime import cpu_compat, parallel
 from runtime import device as compute
-from tests.pretrain_fixtures import make_corpus
+from tests.pretrain_fixtures import cli, make_corpus, train_args
 
 
 def _rewrite_interpreted_kernels() -> None:
@@ -74,6 +74,15 @@ def data(tmp_path_factory):
     """The real-text corpus, tokenizer and dataset of the CLI tests (tests/pretrain_fixtures),
     made once per session; tests only read it."""
     return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def trained_run(data, tmp_path_factory):
+    """A tiny siamese run trained for 6 steps through the CLI, made once per session for the
+    tests that only read its checkpoint (generate, lm-eval, export refusals)."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    cli(*train_args(data, run, "--run.steps=6", "--run.eval_interval=100"))
+    return run
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,7 @@ import pytest
 
 from pretrain.documents import iter_documents
 from pretrain.prepare import prepare_data
+from runtime.errors import DataError
 from tests.pretrain_fixtures import cli
 
 FIELD = "content"  # not the default "text": every input below is read with --text-field
@@ -59,26 +60,30 @@ def test_documents_in_order(inputs, texts):
         assert list(iter_documents(str(inputs / name), FIELD)) == texts, name
 
 
-@pytest.mark.parametrize("name,args,words", [
-    ("docs.parquet", ["--text-field", "body"], ["has no column 'body'", "id, content"]),
-    ("docs.arrow", ["--text-field", "id"], ["column 'id'", "holds int64, not text"]),
-    ("saved", ["--text-field", "id"], ["column 'id'", "not text"]),
-    ("dict", ["--text-field", FIELD], ["holds the splits train, test", "dict/train"]),
-    ("docs.jsonl.gz", [], ["line 1 is not a JSON object with a string \"text\" field"]),
+@pytest.mark.parametrize("name,field,words", [
+    ("docs.parquet", "body", ["has no column 'body'", "id, content"]),
+    ("docs.arrow", "id", ["column 'id'", "holds int64, not text"]),
+    ("saved", "id", ["column 'id'", "not text"]),
+    ("dict", FIELD, ["holds the splits train, test", "dict/train"]),
+    ("docs.jsonl.gz", "text", ["line 1 is not a JSON object with a string \"text\" field"]),
 ])
-def test_bad_input_is_one_line(data, inputs, tmp_path, name, args, words):
-    done = cli("prepare-data", str(inputs / name), "--tokenizer", data["tokenizer"],
-               "--output", str(tmp_path / "out"), *args, check=False)
-    assert done.returncode == 2, done.stderr
-    [line] = done.stderr.strip().splitlines()[-1:]
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert all(w in line for w in words), line
+def test_bad_input_is_refused_before_any_work(data, inputs, tmp_path, name, field, words):
+    with pytest.raises(DataError) as err:
+        prepare_data([str(inputs / name)], data["tokenizer"], str(tmp_path / "out"),
+                     text_field=field)
+    assert all(w in str(err.value) for w in words), err.value
     assert not list(tmp_path.iterdir())  # nothing written
 
 
-def test_truncated_gzip_is_one_line(data, inputs, tmp_path):
+def test_bad_input_is_one_line_from_the_cli(data, inputs, tmp_path):
+    done = cli("prepare-data", str(inputs / "docs.parquet"), "--tokenizer", data["tokenizer"],
+               "--output", str(tmp_path / "out"), "--text-field", "body", check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "has no column 'body'" in done.stderr
+
+
+def test_truncated_gzip_is_refused(data, inputs, tmp_path):
     broken = tmp_path / "broken.jsonl.gz"
     broken.write_bytes((inputs / "docs.jsonl.gz").read_bytes()[:200])
-    done = cli("prepare-data", str(broken), "--tokenizer", data["tokenizer"],
-               "--output", str(tmp_path / "out"), "--text-field", FIELD, check=False)
-    assert done.returncode == 2 and "not a complete gzip file" in done.stderr, done.stderr
+    with pytest.raises(DataError, match="not a complete gzip file"):
+        list(iter_documents(str(broken), FIELD))

@@ -7,6 +7,7 @@ another shape is refused in one line naming the differences.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -94,17 +95,19 @@ def test_another_shape_is_refused_naming_every_difference(tmp_path):
 
 
 def test_a_run_starts_from_a_llama_folder(data, tmp_path):
-    """The CLI: train from a Llama saved by transformers with the test run's shape; its first
-    validation loss is the Llama's, not a fresh model's."""
+    """The CLI: train from a Llama saved by transformers with the test run's shape and a zero
+    output layer, so its logits are all 0 and its first validation loss is ln(vocabulary)
+    exactly, which a fresh model's is not."""
     folder = tmp_path / "llama"
-    saved_llama(folder, vocab_size=512, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                max_position_embeddings=32)
-    runs = {}
-    for name, extra in (("fresh", ()), ("llama", (f"--run.init_from={folder}",))):
-        run = tmp_path / name
-        cli(*train_args(data, run, "--model.residual_scheme=pre", "--run.steps=3",
-                        "--run.eval_interval=100", *extra))
-        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = next(r["val_loss"] for r in rows if "val_loss" in r)
-    assert abs(runs["llama"] - runs["fresh"]) > 1e-3, runs
+    hf = saved_llama(folder, vocab_size=512, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     max_position_embeddings=32)
+    with torch.no_grad():
+        hf.lm_head.weight.zero_()
+    hf.save_pretrained(str(folder), safe_serialization=True)
+    run = tmp_path / "run"
+    cli(*train_args(data, run, "--model.residual_scheme=pre", "--run.steps=3",
+                    "--run.eval_interval=100", f"--run.init_from={folder}"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(r["val_loss"] for r in rows if "val_loss" in r)
+    assert first == pytest.approx(math.log(512), abs=1e-5)

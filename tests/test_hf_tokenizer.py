@@ -76,7 +76,7 @@ def test_trains_evaluates_and_generates(data, hf, tmp_path):
 def test_a_folder_without_tokenizer_json_is_one_line(data, tmp_path):
     done = cli("prepare-data", data["corpus"], "--tokenizer", str(tmp_path),
                "--output", str(tmp_path / "x"), check=False)
-    assert done.returncode == 2 and "no tokenizer.json in the folder" in done.stderr
+    assert done.returncode == 2 and "is a folder without a tokenizer.json" in done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
 
 

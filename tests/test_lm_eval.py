@@ -10,7 +10,7 @@ from model.builder import build_model
 from pretrain.config import load_config
 from pretrain.tokenizer import open_tokenizer
 from runtime import weights
-from tests.pretrain_fixtures import cli, train_args
+from tests.pretrain_fixtures import cli
 
 QUESTIONS = [
     ("The for statement is used to", ["iterate over the elements", "blue cheese", "zzz"], 0),
@@ -37,12 +37,9 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
-def setup(data, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lm_eval")
-    run = root / "run"
-    cli(*train_args(data, run, "--run.steps=6", "--run.eval_interval=100"))
-    tasks = root / "tasks"
-    tasks.mkdir()
+def setup(trained_run, tmp_path_factory):
+    run = trained_run
+    tasks = tmp_path_factory.mktemp("tasks")
     with (tasks / "choice.jsonl").open("w") as f:
         for question, choices, answer in QUESTIONS:
             f.write(json.dumps({"question": question, "choices": choices,
@@ -83,11 +80,3 @@ def test_local_task_accuracy_equals_direct_loglikelihood(single_rank, setup):
     assert accuracy == pytest.approx(direct_accuracy(run), abs=1e-9)
     logged = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert logged[-1]["tasks"] == ["tiny_choice"]
-
-
-def test_unknown_task_is_one_line(setup):
-    run, tasks = setup
-    done = cli("lm-eval", "--checkpoint", str(run / "checkpoints"), "--tasks", "no_such_task",
-               "--include-path", str(tasks), check=False, extra_env=OFFLINE)
-    assert done.returncode == 2 and "unknown task(s) no_such_task" in done.stderr
-    assert done.stderr.strip().count("\n") == 0, done.stderr

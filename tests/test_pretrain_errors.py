@@ -259,7 +259,7 @@ EARLY_CASES = {
     "cache dir is a file": (lambda c: _train(c, f"--data.cache_dir={_in(c, 'a-file')}"),
                             ["data.cache_dir", "a-file", "is a file"]),
     "tokenizer is a folder": (lambda c: _train(c, f"--data.tokenizer={_in(c, 'a-folder')}"),
-                              ["tokenizer", "a-folder", "is a folder"]),
+                              ["tokenizer", "a-folder", "is a folder without a tokenizer.json"]),
     "no data prefixes": (lambda c: _train(c, "--data.prefixes=[]"), ["data.prefixes is empty"]),
     "data prefix of folders": (lambda c: _data(c, "../a-folder"), ["a-folder.bin", "folder"]),
     "truncated idx": (lambda c: _data(c, "short-idx"), ["short-idx.idx", "truncated"]),
