@@ -137,8 +137,9 @@ def copy_tokenizer(path: str, output: Path) -> None:
 def export_hf(config: Config, checkpoint: str, output: str) -> dict:
     """Write the Llama folder ``output`` from ``checkpoint`` of the config's ``pre`` model."""
     target = Path(output)
-    if target.exists() and any(target.iterdir()):
-        raise ConfigError(f"export-hf --output '{output}' is not empty; choose a new folder")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"export-hf --output '{output}' exists and is not an empty folder; "
+                          "choose a new folder")
     require_creatable(output, "export-hf --output")
     model = config.model
     hf_llama.require_llama_shape(model, "export-hf")

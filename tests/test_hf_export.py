@@ -81,3 +81,12 @@ def test_other_schemes_are_refused_in_one_line(trained_run, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "model.residual_scheme (siamese)" in done.stderr and done.stderr.count("\n") == 1
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_output_that_is_a_file_is_one_line(trained_run, tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    done = cli("export-hf", "--checkpoint", str(trained_run / "checkpoints"), "--output",
+               str(taken), check=False)
+    assert done.returncode == 2 and "is not an empty folder" in done.stderr, done.stderr
+    assert taken.read_text() == "x"
