@@ -39,6 +39,18 @@ def record_depth_scales(chunks, folder: str) -> None:
         json.dump(scales, f)
 
 
+def mean_loss(chunks) -> float | None:
+    """This rank's data-parallel share of the parity batches through ``chunks``: the mean loss
+    over every rank that holds one (the last pipeline stages), on rank 0; None elsewhere."""
+    dp = parallel_state.get_data_parallel_world_size()
+    mine = batches(MICROBATCHES)[parallel_state.get_data_parallel_rank()::dp]
+    losses = [float(loss) for loss in forward_backward(chunks, mine, len(mine), SEQ, MBS)]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
+    per_rank = [losses for losses in gathered if losses]
+    return sum(map(sum, per_rank)) / sum(map(len, per_rank)) if dist.get_rank() == 0 else None
+
+
 def run_layout(layout: dict, schemes: list[str], workdir: str,
                model_overrides: dict | None = None, norm_backend: str = "torch") -> None:
     """Load the reference weights into a sharded model, run one batch, save losses and grads.
@@ -46,19 +58,12 @@ def run_layout(layout: dict, schemes: list[str], workdir: str,
     is built with ``norm_backend``, and the backends its norms hold are written down."""
     par = ParallelConfig(distributed_optimizer=False, **layout)
     parallel.initialize(par)
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
     for scheme in schemes:
         model = tiny_model(scheme, **(model_overrides or {}))
         chunks = wrap_ddp(build_model(model, par, norm_backend=norm_backend), par)
         weights.load(chunks, os.path.join(workdir, scheme, "weights"))
-        mine = batches(MICROBATCHES)[dp_rank::dp]
-        losses = [float(loss) for loss in forward_backward(chunks, mine, len(mine), SEQ, MBS)]
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, losses)
-        if dist.get_rank() == 0:
-            per_rank = [losses for losses in gathered if losses]
-            mean = sum(map(sum, per_rank)) / sum(map(len, per_rank))
+        mean = mean_loss(chunks)
+        if mean is not None:
             with open(os.path.join(workdir, scheme, "loss.json"), "w") as f:
                 json.dump(mean, f)
             with open(os.path.join(workdir, scheme, "norm_backend"), "w") as f:
@@ -109,21 +114,15 @@ def run_fresh(layout: dict, cases: dict[str, tuple[str, dict]], workdir: str,
     step-1 loss and its initial weights (unsharded through the checkpoint format)."""
     par = ParallelConfig(distributed_optimizer=False, **layout)
     parallel.initialize(par, seed=seed + 1)  # the model's seed is build_model's, not torch's
-    dp = parallel_state.get_data_parallel_world_size()
-    dp_rank = parallel_state.get_data_parallel_rank()
     for name, (scheme, overrides) in cases.items():
         folder = os.path.join(workdir, name)
         chunks = wrap_ddp(build_model(tiny_model(scheme, **overrides), par,
                                       norm_backend="torch", seed=seed), par)
         weights.save(chunks, os.path.join(folder, "weights"))
-        mine = batches(MICROBATCHES)[dp_rank::dp]
-        losses = [float(loss) for loss in forward_backward(chunks, mine, len(mine), SEQ, MBS)]
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, losses)
-        if dist.get_rank() == 0:
-            per_rank = [losses for losses in gathered if losses]
+        mean = mean_loss(chunks)
+        if mean is not None:
             with open(os.path.join(folder, "loss.json"), "w") as f:
-                json.dump(sum(map(sum, per_rank)) / sum(map(len, per_rank)), f)
+                json.dump(mean, f)
     parallel.destroy()
 
 
@@ -136,12 +135,8 @@ def run_llama_import(folder: str, model, workdir: str) -> None:
     parallel.initialize(par)
     chunks = wrap_ddp(build_model(model, par, norm_backend="torch"), par)
     hf_llama.load(chunks, folder, model)
-    losses = [float(loss) for loss in forward_backward(chunks, batches(MICROBATCHES),
-                                                       MICROBATCHES, SEQ, MBS)]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, losses)
-    if dist.get_rank() == 0:
-        [losses] = [g for g in gathered if g][:1]
+    mean = mean_loss(chunks)
+    if mean is not None:
         with open(os.path.join(workdir, "loss.json"), "w") as f:
-            json.dump(sum(losses) / len(losses), f)
+            json.dump(mean, f)
     parallel.destroy()
