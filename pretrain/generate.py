@@ -15,19 +15,14 @@ or at the tokenizer's end-of-document token.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from model.config import ParallelConfig, require
-from pretrain import identity
-from pretrain.config import Config, validate
-from pretrain.start import weights_source
-from pretrain.tokenizer import open_tokenizer
-from pretrain.train import setup
-from runtime import device, weights
-from runtime.errors import ConfigError
+from model.config import require
+from pretrain.config import Config
+from pretrain.whole_model import load_whole, single_process
+from runtime import device
 
 
 @dataclass(frozen=True)
@@ -92,19 +87,8 @@ def generate_from_checkpoint(config: Config, path: str, prompts: list[str],
     """One {"prompt", "completion", "tokens"} per prompt, from the checkpoint ``path`` of the
     config's model (checked before loading)."""
     sampling.check()
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ConfigError(f"generate runs in one process (WORLD_SIZE is "
-                          f"{os.environ['WORLD_SIZE']}); start it without torchrun")
-    config.parallel = ParallelConfig()  # any layout's checkpoint loads whole here
-    validate(config, world_size=1, training=False)
-    tokenizer = open_tokenizer(config.data.tokenizer)
-    require(config.model.vocab_size >= tokenizer.vocab_size,
-            f"model.vocab_size ({config.model.vocab_size}) must be >= the tokenizer's "
-            f"vocabulary ({tokenizer.vocab_size}, {config.data.tokenizer})")
-    found = weights_source(path, identity.model_identity(config))
-    [model] = setup(config)
-    weights.load([model], found)
-    model.eval()
+    single_process(config, "generate")
+    model, tokenizer, _ = load_whole(config, path)
     results = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)

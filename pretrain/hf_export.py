@@ -21,16 +21,13 @@ from pathlib import Path
 
 import torch
 
-from model.config import ModelConfig, ParallelConfig
+from model.config import ModelConfig
 from model.init import local_tensors
-from pretrain import hf_llama, identity
-from pretrain.config import Config, validate
+from pretrain import hf_llama
+from pretrain.config import Config
 from pretrain.hf_tokenizer import is_hf_tokenizer
 from pretrain.paths import require_creatable
-from pretrain.start import weights_source
-from pretrain.tokenizer import open_tokenizer
-from pretrain.train import setup
-from runtime import weights
+from pretrain.whole_model import load_whole, single_process
 from runtime.errors import ConfigError
 
 SHARD_BYTES = 5 * 2**30
@@ -143,12 +140,8 @@ def export_hf(config: Config, checkpoint: str, output: str) -> dict:
     require_creatable(output, "export-hf --output")
     model = config.model
     hf_llama.require_llama_shape(model, "export-hf")
-    config.parallel = ParallelConfig()  # any layout's checkpoint loads whole here
-    validate(config, world_size=1, training=False)
-    tokenizer = open_tokenizer(config.data.tokenizer)
-    found = weights_source(checkpoint, identity.model_identity(config))
-    [chunk] = setup(config)
-    weights.load([chunk], found)
+    single_process(config, "export-hf")
+    chunk, tokenizer, found = load_whole(config, checkpoint)
     module = getattr(chunk, "module", chunk)
     tensors = llama_tensors(getattr(module, "module", module), model)
     dtype = next(iter(tensors.values())).dtype

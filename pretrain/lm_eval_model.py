@@ -14,7 +14,6 @@ tasks), next to the validation results of ``eval``.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -23,15 +22,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from model.config import ParallelConfig
-from pretrain import identity
-from pretrain.config import Config, validate
+from pretrain.config import Config
 from pretrain.generate import Sampling, continue_tokens
 from pretrain.metrics import strict_json
-from pretrain.start import weights_source
-from pretrain.tokenizer import Tokenizer, open_tokenizer
-from pretrain.train import setup
-from runtime import device, weights
+from pretrain.tokenizer import Tokenizer
+from pretrain.whole_model import load_whole, single_process
+from runtime import device
 from runtime.errors import ConfigError
 
 
@@ -110,20 +106,13 @@ def _finite(value):
 def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path: str | None,
                 num_fewshot: int | None, limit: int | None) -> dict:
     """Score ``tasks`` with the checkpoint's model; {"checkpoint", "tasks", "results"}."""
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ConfigError("lm-eval runs in one process; start it without torchrun")
-    config.parallel = ParallelConfig()  # any layout's checkpoint loads whole here
-    validate(config, world_size=1, training=False)
+    single_process(config, "lm-eval")
     manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(f"lm-eval --tasks: unknown task(s) {', '.join(unknown)}"
                           + ("" if include_path else " (local tasks need --include-path)"))
-    tokenizer = open_tokenizer(config.data.tokenizer)
-    found = weights_source(checkpoint, identity.model_identity(config))
-    [model] = setup(config)
-    weights.load([model], found)
-    model.eval()
+    model, tokenizer, found = load_whole(config, checkpoint)
     lm = FrameworkLM(model, tokenizer, tokenizer.vocab_size, config.model.seq_length)
     out = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                           task_manager=manager, log_samples=False)

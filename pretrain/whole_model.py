@@ -1,0 +1,44 @@
+"""A checkpoint of any parallel layout as one whole model in this one process.
+
+``generate``, ``lm-eval`` and ``export-hf`` read a checkpoint that may have been written at
+TP x PP; megatron's checkpoint format reshards, so each of them runs unsharded, in one
+process, on the CPU or one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from model.config import ParallelConfig, require
+from pretrain import identity
+from pretrain.config import Config, validate
+from pretrain.start import weights_source
+from pretrain.tokenizer import Tokenizer, open_tokenizer
+from pretrain.train import setup
+from runtime import weights
+from runtime.errors import ConfigError
+
+
+def single_process(config: Config, command: str) -> None:
+    """Refuse a launch under torchrun and set the config to the unsharded layout."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ConfigError(f"{command} runs in one process (WORLD_SIZE is {world}); start it "
+                          "without torchrun")
+    config.parallel = ParallelConfig()
+    validate(config, world_size=1, training=False)
+
+
+def load_whole(config: Config, checkpoint: str) -> tuple[object, Tokenizer, Path]:
+    """(model in eval mode, tokenizer, checkpoint folder) after :func:`single_process`; the
+    checkpoint must hold the config's model (checked before loading)."""
+    tokenizer = open_tokenizer(config.data.tokenizer)
+    require(config.model.vocab_size >= tokenizer.vocab_size,
+            f"model.vocab_size ({config.model.vocab_size}) must be >= the tokenizer's "
+            f"vocabulary ({tokenizer.vocab_size}, {config.data.tokenizer})")
+    found = weights_source(checkpoint, identity.model_identity(config))
+    [model] = setup(config)
+    weights.load([model], found)
+    model.eval()
+    return model, tokenizer, found
