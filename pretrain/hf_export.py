@@ -1,16 +1,19 @@
-"""``export-hf``: a ``pre`` checkpoint as a Hugging Face Llama folder.
+"""``export-hf``: a checkpoint of any scheme and parallel layout as a Hugging Face model folder.
 
-A ``pre`` model with RMSNorm, SwiGLU, RoPE and no linear biases is a Llama: the checkpoint
-(any parallel layout) is loaded whole into one process, its tensors are laid out as Llama's
-(the inverse of ``pretrain.hf_llama``: fused Q/K/V split per K/V group, fc1 split into gate
-and up, the vocabulary padding dropped) and written with ``safetensors`` (shards of at most
+The checkpoint is loaded whole into one process (``pretrain.whole_model``) and every tensor is
+assembled under its global name (:func:`global_tensors`). Then:
+
+- a ``pre`` model with RMSNorm, SwiGLU, RoPE and no linear biases is a Llama: its tensors are
+  laid out as Llama's (fused Q/K/V split per K/V group, fc1 split into gate and up) and the
+  folder loads with ``AutoModelForCausalLM`` and no code at all;
+- every other model gets the remote-code files of ``pretrain/hf_remote`` (one modeling file
+  written from the schemes' equations, with a KV cache for generation) and keeps the
+  checkpoint's own parameter names, prefixed ``model.``; it loads with
+  ``trust_remote_code=True``.
+
+Either way the vocabulary padding is dropped, weights go to ``safetensors`` (shards of at most
 ``SHARD_BYTES`` with an index, as ``transformers`` writes them), next to ``config.json``,
-``generation_config.json`` and the tokenizer: a Hugging Face tokenizer's files are copied; a
-sentencepiece model is copied as ``tokenizer.model``. The folder loads with
-``AutoModelForCausalLM.from_pretrained`` and no code of this project.
-
-Other schemes have no ``transformers`` class; their export needs the remote-code modeling
-files that are not written yet, and is refused in one line.
+``generation_config.json`` and the tokenizer (``pretrain.hf_tokenizer_export``).
 """
 
 from __future__ import annotations
@@ -25,16 +28,80 @@ from model.config import ModelConfig
 from model.init import local_tensors
 from pretrain import hf_llama
 from pretrain.config import Config
-from pretrain.hf_tokenizer import is_hf_tokenizer
+from pretrain.hf_tokenizer_export import write_tokenizer
 from pretrain.paths import require_creatable
+from pretrain.tokenizer import Tokenizer
 from pretrain.whole_model import load_whole, single_process
 from runtime.errors import ConfigError
 
 SHARD_BYTES = 5 * 2**30
+REMOTE_CODE = Path(__file__).parent / "hf_remote"
+REMOTE_FILES = ("configuration_siamesenorm.py", "modeling_siamesenorm.py")
+# megatron names Pre-Norm blocks' norms after the projection they are fused into
+_PRE_NORM_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+                   (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
+
+
+def global_tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the unsharded model ``chunk`` by global name: the checkpoint key, with
+    the block index after ``decoder.layers.`` for blocks the checkpoint stacks."""
+    out: dict[str, torch.Tensor] = {}
+    for tensor in local_tensors(chunk):
+        blocks, key = tensor.prepend_axis_num, tensor.key
+        if blocks:
+            key = key.replace("decoder.layers.", f"decoder.layers.{tensor.global_offset[0]}.", 1)
+        shape, offset = tensor.global_shape[blocks:], tensor.global_offset[blocks:]
+        full = out.setdefault(key, torch.empty(shape, dtype=tensor.data.dtype))
+        where = tuple(slice(o, o + n) for o, n in zip(offset, tensor.data.shape, strict=True))
+        full[where] = tensor.data.detach().cpu()
+    return out
+
+
+def remote_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """The remote-code model's tensors: the global names prefixed ``model.`` (the output layer
+    is ``lm_head``), Pre-Norm norms by their own names, the vocabulary unpadded."""
+    out = {}
+    for key, tensor in tensors.items():
+        if key == "output_layer.weight":
+            out["lm_head.weight"] = tensor[:model.vocab_size]
+            continue
+        for fused, own in _PRE_NORM_NAMES:
+            key = key.replace(fused, own)
+        if key == "embedding.word_embeddings.weight":
+            tensor = tensor[:model.vocab_size]
+        out["model." + key] = tensor
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
+    """config.json of the remote-code model (``SiameseNormConfig``)."""
+    return {
+        "architectures": ["SiameseNormForCausalLM"], "model_type": "siamesenorm",
+        "auto_map": {"AutoConfig": "configuration_siamesenorm.SiameseNormConfig",
+                     "AutoModelForCausalLM": "modeling_siamesenorm.SiameseNormForCausalLM"},
+        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_size, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.kv_heads, "max_position_embeddings": model.seq_length,
+        "residual_scheme": model.residual_scheme.value,
+        "normalization": model.normalization.value, "norm_eps": model.norm_eps,
+        "norm_bias": model.norm_bias, "activation": model.activation.value,
+        "position_embedding": model.position_embedding.value,
+        "rope_theta": float(model.rotary_base), "add_bias_linear": model.add_bias_linear,
+        "hybrid_first_block": model.hybrid_first_block.value,
+        "mixln_post_ratio": model.mixln_post_ratio,
+        "siamese_input_norm": model.siamese_input_norm,
+        "siamese_depth_constant": model.siamese_depth_constant,
+        "hc_rate": model.hc_rate, "hc_dynamic": model.hc_dynamic,
+        "initializer_range": model.init_method_std,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "bos_token_id": None, "eos_token_id": eod,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def llama_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
-    """config.json of the Llama that ``model`` is (after :func:`hf_llama.check` holds)."""
+    """config.json of the Llama that ``model`` is (:func:`hf_llama.is_llama`)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
@@ -51,43 +118,42 @@ def llama_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
     }
 
 
-def llama_tensors(chunk, model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The unsharded model's tensors under Llama's names (the inverse of
+_LLAMA_NAMES = {"input_layernorm.weight": "input_layernorm.weight",
+                "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+                "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+                "mlp.linear_fc2.weight": "mlp.down_proj.weight"}
+
+
+def llama_tensors(remote: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """The remote-code tensors of a Llama-shaped model under Llama's names (the inverse of
     :func:`hf_llama.megatron_tensor`)."""
     heads, groups = model.num_attention_heads, model.kv_heads
     head_dim, per_group = model.hidden_size // heads, heads // groups
     out: dict[str, torch.Tensor] = {}
-    for tensor in local_tensors(chunk):
-        key, data = tensor.key, tensor.data.detach().cpu()
-        layer = tensor.global_offset[0] if tensor.prepend_axis_num else None
-        block = f"model.layers.{layer}."
-        if key == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = data[:model.vocab_size]
-        elif key == "output_layer.weight":
-            out["lm_head.weight"] = data[:model.vocab_size]
-        elif key == "decoder.final_layernorm.weight":
+    for name, data in remote.items():
+        if name == "model.embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = data
+        elif name == "model.decoder.final_layernorm.weight":
             out["model.norm.weight"] = data
-        elif key.endswith("self_attention.linear_qkv.layer_norm_weight"):
-            out[block + "input_layernorm.weight"] = data
-        elif key.endswith("mlp.linear_fc1.layer_norm_weight"):
-            out[block + "post_attention_layernorm.weight"] = data
-        elif key.endswith("self_attention.linear_qkv.weight"):
-            qkv = data.view(groups, per_group + 2, head_dim, -1)
-            out[block + "self_attn.q_proj.weight"] = qkv[:, :per_group].reshape(-1, data.shape[1])
-            out[block + "self_attn.k_proj.weight"] = qkv[:, per_group].reshape(-1, data.shape[1])
-            out[block + "self_attn.v_proj.weight"] = qkv[:, -1].reshape(-1, data.shape[1])
-        elif key.endswith("self_attention.linear_proj.weight"):
-            out[block + "self_attn.o_proj.weight"] = data
-        elif key.endswith("mlp.linear_fc1.weight"):
-            # SwiGLU's factory hands fc1 over as its two halves, gate first
-            name = "gate_proj" if tensor.global_offset[-2] == 0 else "up_proj"
-            out[block + f"mlp.{name}.weight"] = data
-        elif key.endswith("mlp.linear_fc2.weight"):
-            out[block + "mlp.down_proj.weight"] = data
+        elif name == "lm_head.weight":
+            out[name] = data
+        elif name.startswith("model.decoder.layers."):
+            layer, part = name.removeprefix("model.decoder.layers.").split(".", 1)
+            block = f"model.layers.{layer}."
+            if part == "self_attention.linear_qkv.weight":
+                qkv = data.view(groups, per_group + 2, head_dim, -1)
+                for proj, rows in (("q", qkv[:, :per_group]), ("k", qkv[:, per_group]),
+                                   ("v", qkv[:, -1])):
+                    out[block + f"self_attn.{proj}_proj.weight"] = rows.reshape(-1, data.shape[1])
+            elif part == "mlp.linear_fc1.weight":
+                gate, up = data.chunk(2)  # SwiGLU's fc1 holds [gate | up]
+                out[block + "mlp.gate_proj.weight"], out[block + "mlp.up_proj.weight"] = gate, up
+            elif part in _LLAMA_NAMES:
+                out[block + _LLAMA_NAMES[part]] = data
+            else:
+                raise ConfigError(f"export-hf: no Llama tensor for {name}")
         else:
-            raise ConfigError(f"export-hf: no Llama tensor for {key}")
-    if not model.untie_embeddings_and_output_weights:
-        out.pop("lm_head.weight", None)
+            raise ConfigError(f"export-hf: no Llama tensor for {name}")
     return {name: t.contiguous() for name, t in out.items()}
 
 
@@ -117,40 +183,41 @@ def save_sharded(tensors: dict[str, torch.Tensor], output: Path) -> None:
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def copy_tokenizer(path: str, output: Path) -> None:
-    source = Path(path)
-    if is_hf_tokenizer(path):
-        folder = source if source.is_dir() else source.parent
-        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-        for name in names:
-            if (folder / name).is_file():
-                shutil.copy(folder / name, output / name)
-        if not source.is_dir():
-            shutil.copy(source, output / "tokenizer.json")
+def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str,
+                 tokenizer: Tokenizer, output: Path) -> int:
+    """Write the Hugging Face folder of the unsharded ``chunk`` into the empty ``output``;
+    returns how many tensors it holds."""
+    while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
+        chunk = chunk.module
+    tensors = remote_tensors(global_tensors(chunk), model)
+    if not model.untie_embeddings_and_output_weights:
+        tensors.pop("lm_head.weight", None)
+    dtype = tensors["model.embedding.word_embeddings.weight"].dtype
+    if hf_llama.is_llama(model):
+        tensors, config = llama_tensors(tensors, model), llama_config(model, dtype, tokenizer.eod)
     else:
-        shutil.copy(source, output / "tokenizer.model")
+        config = remote_config(model, dtype, tokenizer.eod)
+        for name in REMOTE_FILES:
+            shutil.copy(REMOTE_CODE / name, output / name)
+    save_sharded(tensors, output)
+    (output / "config.json").write_text(json.dumps(config, indent=2))
+    (output / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad
+         if tokenizer.pad >= 0 else None}, indent=2))
+    write_tokenizer(tokenizer_path, tokenizer, output)
+    return len(tensors)
 
 
 def export_hf(config: Config, checkpoint: str, output: str) -> dict:
-    """Write the Llama folder ``output`` from ``checkpoint`` of the config's ``pre`` model."""
+    """Write the Hugging Face folder ``output`` from ``checkpoint`` of the config's model."""
     target = Path(output)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"export-hf --output '{output}' exists and is not an empty folder; "
                           "choose a new folder")
     require_creatable(output, "export-hf --output")
-    model = config.model
-    hf_llama.require_llama_shape(model, "export-hf")
     single_process(config, "export-hf")
     chunk, tokenizer, found = load_whole(config, checkpoint)
-    module = getattr(chunk, "module", chunk)
-    tensors = llama_tensors(getattr(module, "module", module), model)
-    dtype = next(iter(tensors.values())).dtype
     target.mkdir(parents=True, exist_ok=True)
-    save_sharded(tensors, target)
-    (target / "config.json").write_text(json.dumps(
-        llama_config(model, dtype, tokenizer.eod), indent=2))
-    (target / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad
-         if tokenizer.pad >= 0 else None}, indent=2))
-    copy_tokenizer(config.data.tokenizer, target)
-    return {"checkpoint": str(found), "output": str(target), "tensors": len(tensors)}
+    count = write_folder(config.model, chunk, config.data.tokenizer, tokenizer, target)
+    kind = "llama" if hf_llama.is_llama(config.model) else "remote code"
+    return {"checkpoint": str(found), "output": str(target), "tensors": count, "model": kind}

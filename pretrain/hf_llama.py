@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from model.config import ModelConfig
 from model.init import fill
 from model.schemes import Activation, Normalization, PositionEmbedding, ResidualScheme
-from runtime.errors import CheckpointError, ConfigError
+from runtime.errors import CheckpointError
 
 log = logging.getLogger("pretrain")
 
@@ -47,15 +47,9 @@ LLAMA_CHOICES = {"residual_scheme": ResidualScheme.PRE, "normalization": Normali
                  "add_bias_linear": False}
 
 
-def require_llama_shape(model: ModelConfig, what: str) -> None:
-    """Refuse, naming the fields, a model that is not a Llama."""
-    wrong = [f"model.{name} ({getattr(model, name)})" for name, value in LLAMA_CHOICES.items()
-             if getattr(model, name) != value]
-    if wrong:
-        raise ConfigError(f"{what} handles Llama-shaped models only (pre, rmsnorm, swiglu, "
-                          f"rope, no linear bias); this one has {', '.join(wrong)} "
-                          "(exporting the other schemes needs remote-code modeling files, "
-                          "not built yet)")
+def is_llama(model: ModelConfig) -> bool:
+    """Whether ``model`` is exactly a Llama (``transformers`` has the class)."""
+    return all(getattr(model, name) == value for name, value in LLAMA_CHOICES.items())
 
 
 def check(folder: str, model: ModelConfig) -> None:

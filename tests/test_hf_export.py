@@ -24,10 +24,11 @@ import json, sys, torch
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 tokens = torch.tensor(json.loads(sys.argv[2]))
+model.generation_config.eos_token_id = None  # 20 tokens, as ours: no stop at EOD
 with torch.no_grad():
     logits = model(tokens).logits
     greedy = model.generate(tokens[:1], max_new_tokens=int(sys.argv[3]),
-                            min_new_tokens=int(sys.argv[3]), do_sample=False)
+                            do_sample=False)
 print(json.dumps({"logits": logits.tolist(), "greedy": greedy[0, tokens.shape[1]:].tolist(),
                   "modules": sorted(m for m in sys.modules if m.split(".")[0] in
                                     ("model", "pretrain", "kernels", "runtime"))}))

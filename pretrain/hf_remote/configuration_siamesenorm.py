@@ -1,0 +1,74 @@
+"""Configuration of the SiameseNorm-family causal language models (remote code).
+
+The fields mirror the training framework's ``model.*`` fields of the same meaning, so a
+folder's ``config.json`` states the model exactly as it was trained: the residual scheme
+(``pre``, ``post``, ``siamese``, ``siamese_hybrid``, ``deepnorm``, ``hybridnorm``, ``mixln``,
+``hc``) and the switches only some schemes read.
+"""
+
+try:
+    from transformers import PreTrainedConfig as _Config
+except ImportError:  # transformers 4.x
+    from transformers import PretrainedConfig as _Config
+
+SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc")
+
+
+class SiameseNormConfig(_Config):
+    model_type = "siamesenorm"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        hidden_size: int = 64,
+        intermediate_size: int = 256,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int | None = None,
+        max_position_embeddings: int = 64,
+        residual_scheme: str = "siamese",
+        normalization: str = "rmsnorm",
+        norm_eps: float = 1e-5,
+        norm_bias: bool = False,
+        activation: str = "swiglu",
+        position_embedding: str = "rope",
+        rope_theta: float = 10000.0,
+        add_bias_linear: bool = False,
+        hybrid_first_block: str = "hybrid",
+        mixln_post_ratio: float = 0.25,
+        siamese_input_norm: bool = True,
+        siamese_depth_constant: bool = True,
+        hc_rate: int = 4,
+        hc_dynamic: bool = True,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        if residual_scheme not in SCHEMES:
+            raise ValueError(f"residual_scheme ({residual_scheme!r}) must be one of "
+                             f"{', '.join(SCHEMES)}")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.residual_scheme = residual_scheme
+        self.normalization = normalization
+        self.norm_eps = norm_eps
+        self.norm_bias = norm_bias
+        self.activation = activation
+        self.position_embedding = position_embedding
+        self.rope_theta = rope_theta
+        self.add_bias_linear = add_bias_linear
+        self.hybrid_first_block = hybrid_first_block
+        self.mixln_post_ratio = mixln_post_ratio
+        self.siamese_input_norm = siamese_input_norm
+        self.siamese_depth_constant = siamese_depth_constant
+        self.hc_rate = hc_rate
+        self.hc_dynamic = hc_dynamic
+        self.initializer_range = initializer_range
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -1,0 +1,503 @@
+"""SiameseNorm-family causal language models for ``transformers`` (remote code).
+
+Written from the equations of each residual scheme, with the parameter names of the training
+framework's checkpoints (megatron's module tree: ``model.decoder.layers.<l>.self_attention
+.linear_qkv.weight``, ...), so an export is a renaming of tensors and never a re-derivation.
+Every scheme keeps its residual streams in a small state and shares one attention and one MLP:
+
+- single stream (pre, post, deepnorm, hybridnorm, mixln): h
+- SiameseNorm (siamese, siamese_hybrid): (x, y), both starting as the embedding; c_l =
+  sqrt(2 (l + 1)) scales the x update of block l; merged at the end as Nfinal(Na(x) + Nb(y))
+- hyper-connections (hc): n streams [b, s, n, h], summed at the end, then a norm
+
+Conventions that matter for equality with the training framework: Q, K and V come from one
+projection laid out per K/V group (that group's query heads, its key head, its value head);
+per-head Q/K/V norms (siamese_hybrid, hybridnorm) act before RoPE; RoPE rotates halves; the
+SwiGLU projection holds [gate | up]; norms compute in fp32; SiameseNorm's channel gate stays
+fp32. The KV cache holds keys and values only: every other quantity is per token, so cached
+generation computes exactly what a full forward does.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_siamesenorm import SiameseNormConfig
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm (with a bias when ``norm_bias``) over the last dim, in fp32."""
+
+    def __init__(self, config, size: int):
+        super().__init__()
+        self.rms = config.normalization == "rmsnorm"
+        self.eps = config.norm_eps
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if config.norm_bias and not self.rms else None
+
+    def forward(self, x):
+        shape = (x.shape[-1],)
+        if self.rms:
+            out = F.rms_norm(x.float(), shape, self.weight.float(), self.eps)
+        else:
+            bias = None if self.bias is None else self.bias.float()
+            out = F.layer_norm(x.float(), shape, self.weight.float(), bias, self.eps)
+        return out.to(x.dtype)
+
+
+class Context:
+    """What every attention of one forward shares: RoPE's cos/sin, the mask, the cache."""
+
+    def __init__(self, rope, mask, causal: bool, cache):
+        self.rope, self.mask, self.causal, self.cache = rope, mask, causal, cache
+
+
+def rope_tables(config, positions, dtype):
+    """(cos, sin) of shape [b, 1, s, head_dim] for rotate-half RoPE."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=positions.device,
+                                                      dtype=torch.float32) / dim))
+    freqs = positions.float()[..., None] * inv
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(t, rope):
+    cos, sin = rope
+    first, second = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_norm: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.groups = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.per_group = self.heads // self.groups
+        bias = config.add_bias_linear
+        self.linear_qkv = nn.Linear(config.hidden_size,
+                                    self.groups * (self.per_group + 2) * self.head_dim, bias=bias)
+        self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qkv_norm = qkv_norm
+        if qkv_norm:
+            self.q_layernorm = Norm(config, self.head_dim)
+            self.k_layernorm = Norm(config, self.head_dim)
+            self.v_layernorm = Norm(config, self.head_dim)
+
+    def forward(self, hidden, ctx: Context):
+        b, s, _ = hidden.shape
+        qkv = self.linear_qkv(hidden).view(b, s, self.groups, self.per_group + 2, self.head_dim)
+        q = qkv[..., :self.per_group, :].reshape(b, s, self.heads, self.head_dim)
+        k, v = qkv[..., self.per_group, :], qkv[..., self.per_group + 1, :]
+        if self.qkv_norm:
+            q, k, v = self.q_layernorm(q), self.k_layernorm(k), self.v_layernorm(v)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if ctx.rope is not None:
+            q, k = rotate(q, ctx.rope), rotate(k, ctx.rope)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(k, v, self.layer_idx)
+        k = k.repeat_interleave(self.per_group, dim=1)  # query head i reads K/V group i // p
+        v = v.repeat_interleave(self.per_group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, is_causal=ctx.causal)
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        width = config.intermediate_size * (2 if self.swiglu else 1)
+        self.linear_fc1 = nn.Linear(config.hidden_size, width, bias=config.add_bias_linear)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size,
+                                    bias=config.add_bias_linear)
+
+    def forward(self, x):
+        a = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = a.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(a)
+        return self.linear_fc2(a)
+
+
+class Block(nn.Module):
+    """One attention and one MLP; subclasses say how the residual streams use them."""
+
+    def __init__(self, config, layer_idx: int, qkv_norm: bool = False):
+        super().__init__()
+        self.self_attention = Attention(config, layer_idx, qkv_norm)
+        self.mlp = MLP(config)
+
+
+class PreNormBlock(Block):
+    """h = h + Attn(N(h)); h = h + MLP(N(h))."""
+
+    def __init__(self, config, layer_idx, qkv_norm=False):
+        super().__init__(config, layer_idx, qkv_norm)
+        self.input_layernorm = Norm(config, config.hidden_size)
+        self.pre_mlp_layernorm = Norm(config, config.hidden_size)
+
+    def forward(self, h, ctx):
+        h = h + self.self_attention(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.pre_mlp_layernorm(h))
+
+
+class PostNormBlock(Block):
+    """h = N(alpha h + Attn(h)); h = N(alpha h + MLP(h)); alpha = 1 but for DeepNorm."""
+
+    def __init__(self, config, layer_idx, alpha: float = 1.0):
+        super().__init__(config, layer_idx)
+        self.alpha = alpha
+        self.attn_post_norm = Norm(config, config.hidden_size)
+        self.mlp_post_norm = Norm(config, config.hidden_size)
+
+    def forward(self, h, ctx):
+        h = self.attn_post_norm(self.alpha * h + self.self_attention(h, ctx))
+        return self.mlp_post_norm(self.alpha * h + self.mlp(h))
+
+
+class HybridNormBlock(Block):
+    """h = h + Attn(h) (Q/K/V norms); u = N(h); h = u + MLP(u)."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, qkv_norm=True)
+        self.mlp_post_norm = Norm(config, config.hidden_size)
+
+    def forward(self, h, ctx):
+        h = h + self.self_attention(h, ctx)
+        u = self.mlp_post_norm(h)
+        return u + self.mlp(u)
+
+
+def depth_constant(config, layer_idx: int) -> float:
+    """c_l = sqrt(2 (l + 1)), or 1 without SiameseNorm's depth constant."""
+    return math.sqrt(2.0 * (layer_idx + 1)) if config.siamese_depth_constant else 1.0
+
+
+def optional_norm(config, present: bool):
+    return Norm(config, config.hidden_size) if present else nn.Identity()
+
+
+class SiameseBlock(Block):
+    """post_pre: per sublayer u = Npost(x); r = F(Nin(u + Npre(y))); x = u + r / c; y += r."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.c = depth_constant(config, layer_idx)
+        for sub in ("attn", "mlp"):
+            setattr(self, f"{sub}_post_norm", Norm(config, config.hidden_size))
+            setattr(self, f"{sub}_pre_norm", Norm(config, config.hidden_size))
+            setattr(self, f"{sub}_in_norm", optional_norm(config, config.siamese_input_norm))
+
+    def forward(self, streams, ctx):
+        x, y = streams
+        for sub, branch in (("attn", lambda a: self.self_attention(a, ctx)), ("mlp", self.mlp)):
+            u = getattr(self, f"{sub}_post_norm")(x)
+            r = branch(getattr(self, f"{sub}_in_norm")(u + getattr(self, f"{sub}_pre_norm")(y)))
+            x, y = u + r / self.c, y + r
+        return x, y
+
+
+class ChannelGate(nn.Module):
+    """g, a per-channel scale kept in fp32 (``_keep_in_fp32_modules``)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32))
+
+    def forward(self, x):
+        return (x.float() * self.weight.float()).to(x.dtype)
+
+
+class SiameseHybridBlock(Block):
+    """hybrid_pre: attention reads x g + Npre(y) (Q/K/V norms), x += r / c, y += r; the MLP
+    as post_pre's (x replaced by Npost(x))."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, qkv_norm=True)
+        self.c = depth_constant(config, layer_idx)
+        self.attn_gate = ChannelGate(config.hidden_size)
+        self.attn_pre_norm = Norm(config, config.hidden_size)
+        self.mlp_post_norm = Norm(config, config.hidden_size)
+        self.mlp_pre_norm = Norm(config, config.hidden_size)
+        self.mlp_in_norm = optional_norm(config, config.siamese_input_norm)
+
+    def forward(self, streams, ctx):
+        x, y = streams
+        r = self.self_attention(self.attn_gate(x) + self.attn_pre_norm(y), ctx)
+        x, y = x + r / self.c, y + r
+        u = self.mlp_post_norm(x)
+        r = self.mlp(self.mlp_in_norm(u + self.mlp_pre_norm(y)))
+        return u + r / self.c, y + r
+
+
+class HybridNormStarFirstBlock(Block):
+    """siamese_hybrid's block 0 under HybridNorm*: Attn(Nx(x) + Npre(y)); then
+    MLP(Nin(Nx'(x) + Npre'(y))) (no Nx' for ``prenorm_literal``); x never replaced."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, qkv_norm=True)
+        self.c = depth_constant(config, layer_idx)
+        self.attn_x_norm = Norm(config, config.hidden_size)
+        self.attn_pre_norm = Norm(config, config.hidden_size)
+        self.mlp_x_norm = optional_norm(config, config.hybrid_first_block == "prenorm")
+        self.mlp_pre_norm = Norm(config, config.hidden_size)
+        self.mlp_in_norm = optional_norm(config, config.siamese_input_norm)
+
+    def forward(self, streams, ctx):
+        x, y = streams
+        r = self.self_attention(self.attn_x_norm(x) + self.attn_pre_norm(y), ctx)
+        x, y = x + r / self.c, y + r
+        r = self.mlp(self.mlp_in_norm(self.mlp_x_norm(x) + self.mlp_pre_norm(y)))
+        return x + r / self.c, y + r
+
+
+class HyperConnection(nn.Module):
+    """One sublayer's connection weights: width Am [n], depth Ar [n, n], output B [n], and for
+    the dynamic form per-token offsets s tanh(Nhc(H) proj^T)."""
+
+    def __init__(self, config):
+        super().__init__()
+        n, hidden = config.hc_rate, config.hidden_size
+        self.rate, self.dynamic = n, config.hc_dynamic
+        self.width = nn.Parameter(torch.zeros(n))
+        self.depth = nn.Parameter(torch.eye(n))
+        self.output = nn.Parameter(torch.ones(n))
+        if self.dynamic:
+            self.norm = Norm(config, hidden)
+            self.proj = nn.Parameter(torch.zeros(n + 2, hidden))
+            self.width_scale = nn.Parameter(torch.zeros(()))
+            self.output_scale = nn.Parameter(torch.zeros(()))
+
+    def forward(self, H, norm, branch):
+        """H_k = sum_i Ar_ik H_i + B_k F(N(sum_i Am_i H_i)) for streams H [b, s, n, h]."""
+        width, depth, output = self.width, self.depth, self.output
+        if self.dynamic:
+            n = self.rate
+            offsets = torch.tanh(self.norm(H) @ self.proj.t())
+            width = width + self.width_scale * offsets[..., 0]
+            depth = depth + self.width_scale * offsets[..., 1:n + 1]
+            output = output + self.output_scale * offsets[..., n + 1]
+        r = branch(norm((width.unsqueeze(-1) * H).sum(-2)))
+        mixed = torch.einsum("...ik,...ih->...kh", depth.expand(*H.shape[:-2], -1, -1), H)
+        return mixed + output.unsqueeze(-1) * r.unsqueeze(-2)
+
+
+class HyperConnectionBlock(Block):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.attn_norm = Norm(config, config.hidden_size)
+        self.mlp_norm = Norm(config, config.hidden_size)
+        self.attn_hc = HyperConnection(config)
+        self.mlp_hc = HyperConnection(config)
+
+    def forward(self, H, ctx):
+        H = self.attn_hc(H, self.attn_norm, lambda a: self.self_attention(a, ctx))
+        return self.mlp_hc(H, self.mlp_norm, self.mlp)
+
+
+def post_norm_blocks(config) -> int:
+    """Mix-LN's P = floor(ratio L) Post-Norm blocks (rounded as the trainer rounds)."""
+    return math.floor(round(config.mixln_post_ratio * config.num_hidden_layers, 9))
+
+
+def build_block(config, index: int) -> nn.Module:
+    scheme, first = config.residual_scheme, config.hybrid_first_block
+    if scheme == "pre" or (scheme == "mixln" and index >= post_norm_blocks(config)):
+        return PreNormBlock(config, index)
+    if scheme in ("post", "mixln"):
+        return PostNormBlock(config, index)
+    if scheme == "deepnorm":
+        return PostNormBlock(config, index, alpha=(2.0 * config.num_hidden_layers) ** 0.25)
+    if scheme == "hybridnorm":
+        if index == 0 and first == "prenorm":
+            return PreNormBlock(config, index, qkv_norm=True)
+        return HybridNormBlock(config, index)
+    if scheme == "siamese":
+        return SiameseBlock(config, index)
+    if scheme == "siamese_hybrid":
+        if index == 0 and first != "hybrid":
+            return HybridNormStarFirstBlock(config, index)
+        return SiameseHybridBlock(config, index)
+    return HyperConnectionBlock(config, index)
+
+
+class MergeNorm(nn.Module):
+    """SiameseNorm's end: Nfinal(Na(x) + Nb(y))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.x_norm = Norm(config, config.hidden_size)
+        self.y_norm = Norm(config, config.hidden_size)
+        self.final_norm = Norm(config, config.hidden_size)
+
+    def forward(self, streams):
+        x, y = streams
+        return self.final_norm(self.x_norm(x) + self.y_norm(y))
+
+
+class StreamSumNorm(nn.Module):
+    """Hyper-connections' end: the sum of the streams, then a norm."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.final_norm = Norm(config, config.hidden_size)
+
+    def forward(self, H):
+        return self.final_norm(H.sum(-2))
+
+
+def build_final(config) -> nn.Module:
+    scheme = config.residual_scheme
+    if scheme in ("post", "deepnorm"):
+        return nn.Identity()  # every block already ends in a norm
+    if scheme in ("siamese", "siamese_hybrid"):
+        return MergeNorm(config)
+    if scheme == "hc":
+        return StreamSumNorm(config)
+    return Norm(config, config.hidden_size)
+
+
+class Embedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size)
+
+    def forward(self, input_ids, positions):
+        h = self.word_embeddings(input_ids)
+        if hasattr(self, "position_embeddings"):
+            h = h + self.position_embeddings(positions)
+        return h
+
+
+class Decoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.layers = nn.ModuleList(build_block(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.final_layernorm = build_final(config)
+
+
+def causal_mask(padding, queries: int, past: int, device):
+    """(mask, causal) for SDPA: None and is_causal when nothing is cached or padded, else a
+    boolean [b or 1, 1, q, past + q] mask. A fully padded query row still sees itself, so its
+    (discarded) output stays finite instead of NaN."""
+    if padding is None and past == 0:
+        return None, queries > 1
+    keys = past + queries
+    rows = torch.arange(queries, device=device)[:, None] + past
+    mask = torch.arange(keys, device=device)[None, :] <= rows
+    if padding is not None:
+        mask = mask[None] & padding[:, None, -keys:].bool()
+        mask = mask | (torch.arange(keys, device=device)[None, None, :] == rows[None])
+        return mask[:, None], False
+    return mask[None, None], False
+
+
+class SiameseNormPreTrainedModel(PreTrainedModel):
+    config_class = SiameseNormConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["Block"]
+    _keep_in_fp32_modules = ["attn_gate"]
+    _supports_cache_class = True
+
+    def _init_weights(self, module):
+        """Only for weights a checkpoint lacks: normal(0, initializer_range) matrices; norms,
+        gates and hyper-connection weights keep the values their constructors set."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+
+
+class SiameseNormModel(SiameseNormPreTrainedModel):
+    def __init__(self, config: SiameseNormConfig):
+        super().__init__(config)
+        self.embedding = Embedding(config)
+        self.decoder = Decoder(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embedding.word_embeddings
+
+    def set_input_embeddings(self, value):
+        self.embedding.word_embeddings = value
+
+    def start(self, h):
+        """The residual state every scheme's blocks carry, from the embedding."""
+        scheme = self.config.residual_scheme
+        if scheme in ("siamese", "siamese_hybrid"):
+            return h, h
+        if scheme == "hc":
+            return h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_rate, h.shape[-1])
+        return h
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, **_unused):
+        b, s = input_ids.shape
+        if use_cache and past_key_values is None:
+            try:
+                past_key_values = DynamicCache(config=self.config)
+            except TypeError:  # transformers 4.x
+                past_key_values = DynamicCache()
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, -1)
+        h = self.embedding(input_ids, position_ids)
+        rope = (rope_tables(self.config, position_ids, h.dtype)
+                if self.config.position_embedding == "rope" else None)
+        mask, causal = causal_mask(attention_mask, s, past, input_ids.device)
+        ctx = Context(rope, mask, causal, past_key_values)
+        state = self.start(h)
+        for block in self.decoder.layers:
+            state = block(state, ctx)
+        return self.decoder.final_layernorm(state), past_key_values
+
+
+class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embedding.word_embeddings.weight"}
+
+    def __init__(self, config: SiameseNormConfig):
+        super().__init__(config)
+        self.model = SiameseNormModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                past_key_values=None, labels=None, use_cache=None, logits_to_keep=0,
+                return_dict=None, **kwargs):
+        hidden, cache = self.model(input_ids, attention_mask, position_ids, past_key_values,
+                                   use_cache=bool(use_cache))
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                   labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

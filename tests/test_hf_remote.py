@@ -1,0 +1,190 @@
+"""Every scheme exports to a Hugging Face folder that computes what this framework computes.
+
+Each case builds a tiny model with every weight moved off its initial value (norm weights,
+gates and hyper-connection weights included, so a misplaced one shows), writes its folder
+with ``export-hf``'s writer, and compares, in one fresh interpreter that imports only
+``transformers`` (no PYTHONPATH, outside the repository): logits (fp32, max rel 1e-5) and 20
+greedy tokens generated with the KV cache against this framework's own full-recompute
+greedy decoding. ``pre`` with RMSNorm/SwiGLU/RoPE is a native Llama; the rest are remote code.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model.builder import build_model
+from model.config import ParallelConfig
+from pretrain.generate import Sampling, continue_tokens
+from pretrain.hf_export import write_folder
+from pretrain.tokenizer import open_tokenizer
+from tests.helpers import tiny_model
+
+GREEDY = 20
+CASES = {
+    "pre-llama": ("pre", {}),
+    "pre-gelu-learned-layernorm-bias-tied": (
+        "pre", {"activation": "gelu", "position_embedding": "learned_absolute",
+                "normalization": "layernorm", "norm_bias": True, "add_bias_linear": True,
+                "untie_embeddings_and_output_weights": False}),
+    "post": ("post", {}),
+    "siamese": ("siamese", {}),
+    "siamese-ablations-layernorm": ("siamese", {"siamese_input_norm": False,
+                                                "siamese_depth_constant": False,
+                                                "normalization": "layernorm"}),
+    "siamese_hybrid": ("siamese_hybrid", {}),
+    "siamese_hybrid-prenorm": ("siamese_hybrid", {"hybrid_first_block": "prenorm"}),
+    "siamese_hybrid-prenorm_literal": ("siamese_hybrid",
+                                       {"hybrid_first_block": "prenorm_literal"}),
+    "deepnorm": ("deepnorm", {}),
+    "hybridnorm": ("hybridnorm", {}),
+    "hybridnorm-prenorm": ("hybridnorm", {"hybrid_first_block": "prenorm"}),
+    "mixln": ("mixln", {"mixln_post_ratio": 0.5}),
+    "hc": ("hc", {}),
+    "hc-static": ("hc", {"hc_dynamic": False, "hc_rate": 2}),
+}
+PROMPT = [5, 17, 300, 2, 99, 41, 7, 250]  # the padding test's
+# Runs in a fresh interpreter: only transformers and the exported folders.
+HF_SIDE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+out = {}
+for name, folder in json.loads(sys.argv[1]).items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    tokens = torch.tensor(json.loads(sys.argv[2]))
+    model.generation_config.eos_token_id = None  # 20 tokens, as ours: no stop at EOD
+    with torch.no_grad():
+        logits = model(tokens).logits
+        greedy = model.generate(tokens[:1], max_new_tokens=int(sys.argv[3]),
+                                do_sample=False)
+    out[name] = {"class": type(model).__name__, "logits": logits.tolist(),
+                 "greedy": greedy[0, tokens.shape[1]:].tolist()}
+out["modules"] = sorted(m for m in sys.modules
+                        if m.split(".")[0] in ("model", "pretrain", "kernels", "runtime"))
+print(json.dumps(out))
+"""
+
+
+def perturbed_model(scheme: str, fields: dict, vocab: int):
+    cfg = tiny_model(scheme, vocab_size=vocab, seq_length=32, **fields)
+    [model] = build_model(cfg, ParallelConfig(), seed=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_((0.1 * torch.randn(param.shape, generator=generator)).to(param))
+    return cfg, model.eval()
+
+
+def transformers_side(folders: dict, tokens: list, tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    done = subprocess.run([sys.executable, "-c", HF_SIDE, json.dumps(folders),
+                           json.dumps(tokens), str(GREEDY)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def exported(single_rank, data, tmp_path_factory):
+    """{case: (our logits, our greedy tokens, transformers' result)}, and the folders."""
+    root = tmp_path_factory.mktemp("hf_remote")
+    tokenizer = open_tokenizer(data["tokenizer"])
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, tokenizer.vocab_size, (2, 12), generator=generator)
+    ours, folders = {}, {}
+    for name, (scheme, fields) in CASES.items():
+        cfg, model = perturbed_model(scheme, fields, tokenizer.vocab_size)
+        device = next(model.parameters()).device
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        with torch.no_grad():
+            logits = model(tokens.to(device), positions.to(device), None)
+        greedy = continue_tokens(model, tokens[0].tolist(), Sampling(max_tokens=GREEDY),
+                                 cfg.vocab_size, cfg.seq_length, None)
+        ours[name] = (logits[..., :cfg.vocab_size].cpu(), greedy)
+        folders[name] = root / name
+        folders[name].mkdir()
+        write_folder(cfg, model, data["tokenizer"], tokenizer, folders[name])
+    # the control: siamese's folder with the depth constant switched off in config.json
+    control = root / "control"
+    shutil.copytree(folders["siamese"], control)
+    config = json.loads((control / "config.json").read_text())
+    (control / "config.json").write_text(json.dumps({**config,
+                                                     "siamese_depth_constant": False}))
+    theirs = transformers_side({**{k: str(v) for k, v in folders.items()},
+                                "control": str(control)}, tokens.tolist(), root)
+    return ours, theirs, folders
+
+
+def max_rel(ours: torch.Tensor, theirs: list) -> float:
+    want = torch.tensor(theirs)
+    return ((ours - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_transformers_computes_what_we_compute(exported, case):
+    ours, theirs, _ = exported
+    logits, greedy = ours[case]
+    assert max_rel(logits, theirs[case]["logits"]) <= 1e-5
+    # ours recomputes the whole prefix per token; theirs decodes with the KV cache
+    assert theirs[case]["greedy"] == greedy
+    native = case == "pre-llama"
+    assert theirs[case]["class"] == ("LlamaForCausalLM" if native else "SiameseNormForCausalLM")
+
+
+def test_the_fresh_process_imported_nothing_of_this_project(exported):
+    assert exported[1]["modules"] == []
+
+
+def test_a_wrong_config_gives_other_logits(exported):
+    """The comparison can fail: the same weights read with c_l = 1 differ."""
+    ours, theirs, _ = exported
+    assert max_rel(ours["siamese"][0], theirs["control"]["logits"]) > 1e-3
+
+
+def test_folders_hold_the_files_transformers_reads(exported):
+    _, _, folders = exported
+    llama = sorted(p.name for p in folders["pre-llama"].iterdir())
+    remote = sorted(p.name for p in folders["siamese_hybrid"].iterdir())
+    common = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+              "tokenizer.model", "tokenizer_config.json"]
+    assert llama == common
+    assert remote == sorted([*common, "configuration_siamesenorm.py",
+                             "modeling_siamesenorm.py"])
+    config = json.loads((folders["hc"] / "config.json").read_text())
+    assert config["residual_scheme"] == "hc" and config["hc_rate"] == 4
+
+
+def test_left_padded_batches_generate_as_single_prompts(exported):
+    """The remote model's padding mask and positions: a left-padded row generates what the
+    same prompt generates alone."""
+    from transformers import AutoModelForCausalLM
+
+    _, _, folders = exported
+    model = AutoModelForCausalLM.from_pretrained(folders["siamese_hybrid"],
+                                                 trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    short = torch.tensor([PROMPT[:3]])
+    batch = torch.tensor([PROMPT, [3] * 5 + PROMPT[:3]])
+    mask = torch.tensor([[1] * 8, [0] * 5 + [1] * 3])
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=8,
+                                  do_sample=False, pad_token_id=3)
+        alone = model.generate(short, max_new_tokens=8, do_sample=False, pad_token_id=3)
+    assert together[1, -8:].tolist() == alone[0, -8:].tolist()
+
+
+def test_bf16_keeps_the_channel_gate_in_fp32(exported):
+    from transformers import AutoModelForCausalLM
+
+    _, _, folders = exported
+    model = AutoModelForCausalLM.from_pretrained(folders["siamese_hybrid"],
+                                                 trust_remote_code=True, dtype=torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["model.decoder.layers.1.attn_gate.weight"] == torch.float32
+    assert dtypes["model.decoder.layers.1.mlp_pre_norm.weight"] == torch.bfloat16
