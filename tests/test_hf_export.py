@@ -1,17 +1,22 @@
-"""``export-hf``: a ``pre`` checkpoint (written at PP=2) becomes a Hugging Face Llama
-folder that ``transformers`` loads in a fresh process with no code of this project, with the
-same logits (fp32, 1e-5) and the same 20 greedy tokens as this framework's model."""
+"""``export-hf`` from trained checkpoints: a ``pre`` one written at PP=2 becomes a Hugging Face
+Llama folder, a ``siamese_hybrid`` (HybridNorm* block 0) one written at TP=2 a remote-code
+folder; each loads in a fresh process with no code of this project and gives the same logits
+(fp32, 1e-5) and the same 20 greedy tokens as this framework's model. The exported tokenizer
+reproduces the sentencepiece one. (Every scheme's mapping: tests/test_hf_remote.py.)"""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+import sentencepiece as spm
 import torch
 
 from model.builder import build_model
 from pretrain.config import load_config
 from pretrain.generate import Sampling, continue_tokens
+from pretrain.hf_tokenizer_export import convert
 from runtime import weights
 from tests.pretrain_fixtures import cli, train_args
 
@@ -22,14 +27,16 @@ GREEDY = 20
 HF_SIDE = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32,
+                                             trust_remote_code=True).eval()
 tokens = torch.tensor(json.loads(sys.argv[2]))
 model.generation_config.eos_token_id = None  # 20 tokens, as ours: no stop at EOD
 with torch.no_grad():
     logits = model(tokens).logits
     greedy = model.generate(tokens[:1], max_new_tokens=int(sys.argv[3]),
                             do_sample=False)
-print(json.dumps({"logits": logits.tolist(), "greedy": greedy[0, tokens.shape[1]:].tolist(),
+print(json.dumps({"class": type(model).__name__, "logits": logits.tolist(),
+                  "greedy": greedy[0, tokens.shape[1]:].tolist(),
                   "modules": sorted(m for m in sys.modules if m.split(".")[0] in
                                     ("model", "pretrain", "kernels", "runtime"))}))
 """
@@ -37,6 +44,7 @@ print(json.dumps({"logits": logits.tolist(), "greedy": greedy[0, tokens.shape[1]
 
 def transformers_side(folder, tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
     done = subprocess.run([sys.executable, "-c", HF_SIDE, str(folder), json.dumps(TOKENS),
                            str(GREEDY)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -57,30 +65,63 @@ def our_side(run) -> tuple[torch.Tensor, list[int]]:
     return logits[..., :config.model.vocab_size], greedy
 
 
-def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tmp_path):
-    """The checkpoint is written by two pipeline stages, so the export also reassembles it."""
+@pytest.mark.parametrize("scheme,layout,model_class", [
+    ("pre", ["--parallel.pp=2"], "LlamaForCausalLM"),
+    ("siamese_hybrid", ["--parallel.tp=2", "--model.hybrid_first_block=prenorm"],
+     "SiameseNormForCausalLM"),
+])
+def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tmp_path, scheme,
+                                                          layout, model_class):
+    """The checkpoint is written by two ranks, so the export also reassembles it."""
     run = tmp_path / "run"
-    cli(*train_args(data, run, "--model.residual_scheme=pre", "--run.steps=3",
-                    "--run.eval_interval=100", "--parallel.pp=2"), nproc=2)
+    cli(*train_args(data, run, f"--model.residual_scheme={scheme}", "--run.steps=3",
+                    "--run.eval_interval=100", *layout), nproc=2)
     out = tmp_path / "hf"
     result = json.loads(cli("export-hf", "--checkpoint", str(run / "checkpoints"),
                             "--output", str(out)).stdout.splitlines()[-1])
     assert result["output"] == str(out) and (out / "model.safetensors").is_file()
-    assert (out / "tokenizer.model").is_file()
+    assert (out / "tokenizer.model").is_file() and (out / "tokenizer.json").is_file()
     theirs = transformers_side(out, tmp_path)
     assert theirs["modules"] == []  # nothing of this project was imported
+    assert theirs["class"] == model_class
     ours, greedy = our_side(run)
     want = torch.tensor(theirs["logits"])
     assert ((ours - want).abs().max() / want.abs().max()).item() <= 1e-5
     assert greedy == theirs["greedy"]
 
 
-def test_other_schemes_are_refused_in_one_line(trained_run, tmp_path):
-    run = trained_run  # siamese
-    done = cli("export-hf", "--checkpoint", str(run / "checkpoints"), "--output",
-               str(tmp_path / "hf"), check=False)
-    assert done.returncode == 2, done.stderr
-    assert "model.residual_scheme (siamese)" in done.stderr and done.stderr.count("\n") == 1
+def test_the_exported_tokenizer_reproduces_sentencepiece(trained_run, data, tmp_path):
+    """tokenizer.json, read by the tokenizers library alone, gives the sentencepiece ids of the
+    whole training corpus and decodes back to the same text."""
+    from tokenizers import Tokenizer as Backend
+
+    out = tmp_path / "hf"
+    cli("export-hf", "--checkpoint", str(trained_run / "checkpoints"), "--output", str(out))
+    exported = Backend.from_file(str(out / "tokenizer.json"))
+    processor = spm.SentencePieceProcessor(model_file=data["tokenizer"])
+    documents = [json.loads(line)["text"] for line in open(data["corpus"], encoding="utf-8")]
+    text = "\n".join(documents)
+    ids = processor.encode(text)
+    assert exported.encode(text, add_special_tokens=False).ids == ids
+    assert exported.decode(ids, skip_special_tokens=False) == processor.decode(ids) == text
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (config["eos_token"], config["pad_token"]) == ("</s>", "<pad>")
+
+
+def test_a_unigram_tokenizer_is_not_converted(data, tmp_path):
+    """Unigram's tie-breaking differs between the libraries: no tokenizer.json, a reason."""
+    from pretrain.tokenizer import train_tokenizer
+
+    model = train_tokenizer([data["corpus"]], str(tmp_path / "uni"), 600, "unigram")
+    converted, why = convert(model)
+    assert converted is None and "unigram" in why
+
+
+def test_an_unknown_scheme_is_one_line(trained_run, tmp_path):
+    done = cli("export-hf", "--checkpoint", str(trained_run / "checkpoints"), "--output",
+               str(tmp_path / "hf"), "--model.residual_scheme=resi_dual", check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "model.residual_scheme ('resi_dual') must be one of" in done.stderr
     assert not (tmp_path / "hf").exists()
 
 
