@@ -7,8 +7,10 @@ generation until a stop string. Requests are scored one sequence at a time, each
 of at most ``model.seq_length`` tokens (the most recent kept), which is simple and exact but
 does not batch.
 
-Results are printed and appended to the run folder's ``eval.jsonl`` (with the checkpoint and
-tasks), next to the validation results of ``eval``.
+Results are printed, appended to the run folder's ``eval.jsonl`` (with the checkpoint and
+tasks), next to the validation results of ``eval``, and logged to the run's W&B run (unless
+``logging.wandb_mode`` is disabled) as ``lm_eval/<task>/<metric>`` against ``lm_eval/step``,
+the checkpoint's training step.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from pretrain.checkpoint import read_record
 from pretrain.config import Config
 from pretrain.generate import Sampling, continue_tokens
-from pretrain.metrics import strict_json
+from pretrain.metrics import MetricsLogger, strict_json
 from pretrain.tokenizer import Tokenizer
 from pretrain.whole_model import load_whole, single_process
 from runtime import device
@@ -117,7 +120,24 @@ def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path:
     out = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                           task_manager=manager, log_samples=False)
     result = {"checkpoint": str(found), "tasks": tasks, "results": _finite(out["results"])}
-    if Path(config.run.dir).is_dir():
-        with (Path(config.run.dir) / "eval.jsonl").open("a") as f:
+    run_dir = Path(config.run.dir)
+    if run_dir.is_dir():
+        with (run_dir / "eval.jsonl").open("a") as f:
             f.write(strict_json(result) + "\n")
+        logger = MetricsLogger(config, run_dir, {})
+        logger.log_evaluation("lm_eval", read_record(found)["step"],
+                              scores(result["results"]))
+        logger.finish()
     return result
+
+
+def scores(results: dict) -> dict[str, float]:
+    """lm-eval's {task: {"acc,none": 0.5, "alias": ...}} as flat W&B keys, ``task/acc`` (the
+    filter named only when it is not ``none``)."""
+    flat = {}
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                metric, _, where = key.partition(",")
+                flat[f"{task}/{metric}" + ("" if where in ("", "none") else f"/{where}")] = value
+    return flat

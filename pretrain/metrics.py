@@ -101,6 +101,17 @@ class MetricsLogger:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
                                step=record["step"])
 
+    def log_evaluation(self, name: str, step: int, values: dict[str, float]) -> None:
+        """Scores computed after the run (lm-eval of a checkpoint) into the run's W&B run as
+        ``<name>/<key>``, plotted against their own axis ``<name>/step``, the checkpoint's step:
+        W&B drops rows whose step is below the run's last one, so they cannot use its step."""
+        if self.wandb_run is None:
+            return
+        self.wandb_run.define_metric(f"{name}/step")
+        self.wandb_run.define_metric(f"{name}/*", step_metric=f"{name}/step")
+        self.wandb_run.log({f"{name}/step": step,
+                            **{f"{name}/{key}": value for key, value in values.items()}})
+
     def finish(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()

@@ -11,6 +11,7 @@ from pretrain.config import load_config
 from pretrain.tokenizer import open_tokenizer
 from runtime import weights
 from tests.pretrain_fixtures import cli
+from tests.wandb_reader import read_run
 
 QUESTIONS = [
     ("The for statement is used to", ["iterate over the elements", "blue cheese", "zzz"], 0),
@@ -74,9 +75,15 @@ def direct_accuracy(run) -> float:
 def test_local_task_accuracy_equals_direct_loglikelihood(single_rank, setup):
     run, tasks = setup
     done = cli("lm-eval", "--checkpoint", str(run / "checkpoints"), "--tasks", "tiny_choice",
-               "--include-path", str(tasks), extra_env=OFFLINE)
+               "--include-path", str(tasks), "--logging.wandb_mode=offline", extra_env=OFFLINE)
     result = json.loads(done.stdout.splitlines()[-1])
     accuracy = result["results"]["tiny_choice"]["acc,none"]
     assert accuracy == pytest.approx(direct_accuracy(run), abs=1e-9)
     logged = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert logged[-1]["tasks"] == ["tiny_choice"]
+    # and in the run's W&B run, against the checkpoint's step (the run trained 6 steps)
+    [wandb_file] = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    _, history = read_run(wandb_file)
+    [row] = [row for row in history if "lm_eval/tiny_choice/acc" in row]
+    assert row["lm_eval/tiny_choice/acc"] == pytest.approx(accuracy, abs=1e-12)
+    assert row["lm_eval/step"] == 6
