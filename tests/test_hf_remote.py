@@ -8,17 +8,20 @@ greedy tokens generated with the KV cache against this framework's own full-reco
 greedy decoding. ``pre`` with RMSNorm/SwiGLU/RoPE is a native Llama; the rest are remote code.
 """
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 
 from model.builder import build_model
 from model.config import ParallelConfig
+from pretrain import hf_export
 from pretrain.generate import Sampling, continue_tokens
 from pretrain.hf_export import write_folder
 from pretrain.tokenizer import open_tokenizer
@@ -109,7 +112,10 @@ def exported(single_rank, data, tmp_path_factory):
         ours[name] = (logits[..., :cfg.vocab_size].cpu(), greedy)
         folders[name] = root / name
         folders[name].mkdir()
-        write_folder(cfg, model, data["tokenizer"], tokenizer, folders[name])
+        # hc's folder is written in 16 KiB shards, as a large model's would be in 5 GiB ones
+        small = mock.patch.object(hf_export, "SHARD_BYTES", 16 * 2**10)
+        with small if name == "hc" else contextlib.nullcontext():
+            write_folder(cfg, model, data["tokenizer"], tokenizer, folders[name])
     # the control: siamese's folder with the depth constant switched off in config.json
     control = root / "control"
     shutil.copytree(folders["siamese"], control)
@@ -158,6 +164,22 @@ def test_folders_hold_the_files_transformers_reads(exported):
                              "modeling_siamesenorm.py"])
     config = json.loads((folders["hc"] / "config.json").read_text())
     assert config["residual_scheme"] == "hc" and config["hc_rate"] == 4
+
+
+def test_large_models_are_written_in_shards_with_an_index(exported):
+    """hc's folder (16 KiB shards) loaded above like the others; every tensor is in one shard
+    and the index names each one's file."""
+    from safetensors import safe_open
+
+    folder = exported[2]["hc"]
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and not (folder / "model.safetensors").exists()
+    held = {}
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            held.update(dict.fromkeys(f.keys(), shard.name))
+    assert held == index["weight_map"]
 
 
 def test_left_padded_batches_generate_as_single_prompts(exported):
