@@ -51,6 +51,10 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    fused: bool = True
+    """Without TE or apex: step with torch's fused AdamW kernel and multi-tensor gradient
+    norm/clip/copy (pretrain/optim.py); false keeps megatron's torch fallback as it is. With
+    TE or apex megatron uses their fused Adam either way."""
     override_schedule: bool = False
     """On resume, follow this config's schedule (lr, min_lr, warmup_steps, run.steps,
     weight_decay) where it differs from the checkpoint's; otherwise a difference is an error."""

@@ -1,4 +1,12 @@
-"""megatron-core's optimizer (AdamW, optionally sharded across DP) and its LR schedule."""
+"""megatron-core's optimizer (AdamW, optionally sharded across DP) and its LR schedule.
+
+With Transformer Engine or apex installed megatron steps with their fused Adam and
+multi-tensor kernels. Without them it falls back to torch's AdamW (foreach on CUDA) and to
+per-tensor loops for the gradient norm, clipping and the main-to-model weight copy; with
+``optim.fused`` (the default) that path uses torch's fused AdamW kernel and the multi-tensor
+replacements of :mod:`runtime.multi_tensor` instead (the GPU report measured 50 ms for the
+fallback step at 1.2B parameters and 29 ms with the fused AdamW alone).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from pretrain.config import Config
 from runtime.errors import ConfigError
+from runtime.multi_tensor import foreach_kernels
 
 
 def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
@@ -31,7 +40,35 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
         override_opt_param_scheduler=o.override_schedule,
         use_checkpoint_opt_param_scheduler=False,
     )
+    if o.fused:
+        use_fused_kernels(optimizer)
     return optimizer, scheduler
+
+
+def _torch_adams(optimizer):
+    """megatron's inner torch AdamW optimizers (its fallback without TE or apex)."""
+    return [opt for _, opt in _torch_optimizers(optimizer) if isinstance(opt, torch.optim.Adam)]
+
+
+def _fuse_groups(torch_optimizer: torch.optim.Optimizer) -> None:
+    for group in torch_optimizer.param_groups:
+        group["foreach"], group["fused"] = False, True
+
+
+def use_fused_kernels(optimizer) -> None:
+    """Step torch's AdamW with its fused kernel, and run every step with megatron's
+    multi-tensor fallbacks replaced (:func:`runtime.multi_tensor.foreach_kernels`). The
+    kernels change the order of floating-point operations only (a test holds a run to the
+    unfused one's losses within fp32 tolerance)."""
+    for torch_optimizer in _torch_adams(optimizer):
+        _fuse_groups(torch_optimizer)
+    step = optimizer.step
+
+    def fused_step(*args, **kwargs):
+        with foreach_kernels():
+            return step(*args, **kwargs)
+
+    optimizer.step = fused_step
 
 
 # The scheduler's checkpointed fields and the config field that sets each.
@@ -99,8 +136,17 @@ def load_state(optimizer, state_dict: dict) -> None:
 
         inner.load_parameter_state_from_fully_reshardable = without_steps
         patched.append(inner)
+    # torch's load takes each param group's flags from the checkpoint; which kernel steps is
+    # this run's choice (optim.fused), not the saved run's
+    fused = [opt for opt in _torch_adams(optimizer)
+             if any(group.get("fused") for group in opt.param_groups)]
     try:
         optimizer.load_state_dict(state_dict)
     finally:
         for inner in patched:
             del inner.load_parameter_state_from_fully_reshardable
+    for torch_optimizer in _torch_adams(optimizer):
+        for group in torch_optimizer.param_groups:
+            group["foreach"], group["fused"] = None, None
+    for torch_optimizer in fused:
+        _fuse_groups(torch_optimizer)
