@@ -1,15 +1,18 @@
-"""GPU training-step time, throughput, MFU and activation memory of pre, siamese and
-siamese_hybrid at the 1.3B shape, each as a ratio to pre.
+"""GPU training-step time, throughput, MFU and activation memory of the residual schemes at
+the 1.3B shape, each as a ratio to pre at the same micro-batch.
 
 One GPU, bf16, no recompute, flash attention (Transformer Engine's when installed, else torch
 SDPA: ``model.attention_backend = auto``). A *step* is one forward+backward through megatron's
-schedule plus the AdamW step of megatron's optimizer, as in training; forward+backward is also
-timed alone. Each scheme runs in its own process, because three 1.3B models with optimizer
-state do not fit on one GPU together and a fresh allocator keeps the memory figures
-independent. Activation memory is the peak allocated during forward+backward minus what was
-allocated just before it (bf16 weights, fp32 gradient buffers, optimizer state).
+schedule plus the AdamW step of megatron's optimizer, as in training. Both phases are timed on
+the GPU with CUDA events (one synchronisation per step, at its end), so the optimizer's share
+is reported on its own. Each (scheme, micro-batch) runs in its own process, because several
+1.3B models with optimizer state do not fit on one GPU together and a fresh allocator keeps
+the memory figures independent; ``--rounds`` cycles through all of them again and medians are
+taken over every round. Activation memory is the peak allocated during forward+backward minus
+what was allocated just before it (bf16 weights, fp32 gradient buffers, optimizer state).
 
-    python -m bench.gpu_step [--layers 16 --micro-batch 1 --steps 10 --warmup 3]
+    python -m bench.gpu_step [--layers 16 --micro-batches 2,4 --steps 10 --rounds 3]
+    python -m bench.gpu_step --unfused-optimizer   # megatron's torch fallback (optim.fused off)
     python -m bench.gpu_step --deterministic      # the cost of run.deterministic
 
 If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line.
@@ -24,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,7 +34,9 @@ import torch
 from bench.common import markdown_table, random_batch, versions_line
 
 SCHEMES = ("pre", "siamese", "siamese_hybrid")
-TARGETS = "targets: siamese step time <= 1.02x pre; activation memory <= 1.05x pre"
+TARGETS = ("targets: pre >= 65k tokens/s and >= 53% MFU; step / pre: siamese <= 1.02, "
+           "siamese_hybrid, post, hybridnorm <= 1.03; activation / pre: siamese <= 1.05, "
+           "siamese_hybrid <= 1.08; optimizer step <= 12 ms at 1.2B parameters")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,11 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8, help="K/V heads (grouped-query attention)")
     p.add_argument("--ffn", type=int, default=8192, help="SwiGLU width")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--micro-batches", default="2,4",
+                   help="comma-separated micro-batch sizes to sweep")
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=10, help="timed steps per scheme and round")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=int, default=3,
                    help="repeat the scheme cycle; medians are taken over all rounds")
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--attention-backend", default="auto")
@@ -56,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--norm-backend", default="auto", help="kernels.norm_backend")
     p.add_argument("--no-optimizer", action="store_true",
                    help="time forward+backward only (no optimizer state, no AdamW step)")
+    p.add_argument("--unfused-optimizer", action="store_true",
+                   help="optim.fused = false: megatron's own torch fallback (no TE/apex)")
+    p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)  # internal: the worker's
     p.add_argument("--deterministic", action="store_true",
                    help="bit-reproducible kernels, as run.deterministic (runtime.device)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
@@ -82,7 +90,8 @@ def build(args, scheme: str):
         attention_backend=args.attention_backend, transformer_impl=args.transformer_impl,
     )
     config = Config(model=model_cfg, parallel=ParallelConfig(recompute="none"),
-                    optim=OptimConfig(warmup_steps=0),  # a non-zero LR from the first step
+                    # a non-zero LR from the first step
+                    optim=OptimConfig(warmup_steps=0, fused=not args.unfused_optimizer),
                     data=DataConfig(micro_batch_size=args.micro_batch,
                                     global_batch_size=args.micro_batch))
     torch.manual_seed(0)
@@ -110,24 +119,25 @@ def measure(args, scheme: str) -> dict:
     parallel.initialize(ParallelConfig())
     chunks, optimizer, config = build(args, scheme)
     batch = random_batch(args.vocab, args.micro_batch, args.seq, device.compute_device())
-    fwd_bwd, steps, activation, losses = [], [], 0, []
+    fwd_bwd, optim, activation, losses = [], [], 0, []
     for index in range(args.warmup + args.steps):
         if optimizer is not None:
             optimizer.zero_grad()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+        start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
         losses += forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)  # tensors
-        torch.cuda.synchronize()
-        middle = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated() - before
+        middle.record()
         if optimizer is not None:
             optimizer.step()
-        torch.cuda.synchronize()
+        end.record()
+        end.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
         if index >= args.warmup:
-            fwd_bwd.append(middle - start)
-            steps.append(time.perf_counter() - start)
+            fwd_bwd.append(start.elapsed_time(middle) / 1e3)
+            optim.append(middle.elapsed_time(end) / 1e3)
             activation = max(activation, peak)
     losses = [float(loss) for loss in losses]
     if not all(map(math.isfinite, losses)):
@@ -136,8 +146,10 @@ def measure(args, scheme: str) -> dict:
     throughput = Throughput(config)
     parallel.destroy()
     return {
-        "scheme": scheme, "parameters": parameters, "fwd_bwd_s": fwd_bwd, "step_s": steps,
-        "activation_bytes": activation, "first_loss": losses[0],
+        "scheme": scheme, "micro_batch": args.micro_batch, "parameters": parameters,
+        "fwd_bwd_s": fwd_bwd, "optimizer_s": optim,
+        "step_s": [a + b for a, b in zip(fwd_bwd, optim, strict=True)],
+        "activation_bytes": activation, "first_loss": losses[0], "seq": args.seq,
         "flops_per_step": throughput.flops_per_step, "peak_tflops": throughput.peak,
         "device": device.device_name(),
         "attention": str(resolve_attention_backend(config.model.attention_backend)),
@@ -146,18 +158,20 @@ def measure(args, scheme: str) -> dict:
     }
 
 
-def run_worker(scheme: str, forwarded: list[str]) -> dict | None:
-    """Measure one scheme in a fresh process; None (after printing why) if it failed."""
+def run_worker(scheme: str, micro_batch: int, forwarded: list[str]) -> dict | None:
+    """Measure one scheme at one micro-batch in a fresh process; None (after printing why) if
+    it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         proc = subprocess.run(
             [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
-             "--result", str(result)],
+             "--micro-batch", str(micro_batch), "--result", str(result)],
             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            print(f"{scheme}: failed (exit {proc.returncode}); if out of memory, lower --layers "
-                  f"or --micro-batch\n{tail}\n", file=sys.stderr)
+            print(f"{scheme} at micro-batch {micro_batch}: failed (exit {proc.returncode}); if "
+                  f"out of memory, lower --layers or --micro-batches\n{tail}\n",
+                  file=sys.stderr)
             return None
         return json.loads(result.read_text())
 
@@ -167,43 +181,52 @@ def summarise(r: dict) -> dict:
     step = statistics.median(r["step_s"])
     tflops = r["flops_per_step"] / step / 1e12
     return {"fwd_bwd": statistics.median(r["fwd_bwd_s"]), "step": step, "tflops": tflops,
+            "optimizer": statistics.median(r["optimizer_s"]),
+            "tokens": r["micro_batch"] * r["seq"] / step,
             "mfu": tflops / r["peak_tflops"] if r["peak_tflops"] else None,
             "activation": r["activation_bytes"]}
 
 
-def report(args, results: dict[str, dict]) -> None:
+def report(args, results: dict[tuple[str, int], dict]) -> None:
     first = next(iter(results.values()))
     kv = args.kv_heads or args.heads
     step_kind = "fwd+bwd only" if args.no_optimizer else "fwd+bwd + AdamW step"
+    optimizer = ("megatron's torch fallback (optim.fused off)" if args.unfused_optimizer
+                 else "optim.fused")
     print(f"device: {first['device']}; {versions_line()}")
     print(f"shape: {args.layers} layers x {args.hidden} hidden, {args.heads} heads / {kv} KV, "
-          f"SwiGLU {args.ffn}, seq {args.seq}, micro-batch {args.micro_batch}, vocab "
-          f"{args.vocab}; bf16; attention {first['attention']}, linears {first['linears']}, "
-          f"norms {first['norms']}; recompute none"
+          f"SwiGLU {args.ffn}, seq {args.seq}, vocab {args.vocab}; bf16; attention "
+          f"{first['attention']}, linears {first['linears']}, norms {first['norms']}; "
+          f"optimizer {optimizer}; recompute none"
           + ("; deterministic kernels (run.deterministic)" if args.deterministic else ""))
     print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
-          f"process per scheme; step = {step_kind}; tokens/s, TFLOP/s and MFU from the step "
-          "time; FLOPs/token by Megatron-LM's formula (pretrain/throughput.py); "
-          "activation = peak allocated in fwd+bwd minus weights, grads, optimizer state")
+          f"process per scheme and micro-batch; step = {step_kind}, GPU time by CUDA events; "
+          "tokens/s, TFLOP/s and MFU from the step time; FLOPs/token by Megatron-LM's formula "
+          "(pretrain/throughput.py); activation = peak allocated in fwd+bwd minus weights, "
+          "grads, optimizer state; ratios against pre at the same micro-batch")
     print(f"{TARGETS}\n")
-    stats = {scheme: summarise(r) for scheme, r in results.items()}
-    base = stats.get("pre")
+    stats = {key: summarise(r) for key, r in results.items()}
 
-    def ratio(s: dict, key: str) -> str:
-        return f"{s[key] / base[key]:.3f}" if base else "n/a"
+    def ratio(key: tuple[str, int], field: str) -> str:
+        base = stats.get(("pre", key[1]))
+        return f"{stats[key][field] / base[field]:.3f}" if base else "n/a"
 
     rows = [[
-        scheme, f"{results[scheme]['parameters']:,}", f"{1e3 * s['fwd_bwd']:.1f}",
-        ratio(s, "fwd_bwd"), f"{1e3 * s['step']:.1f}", ratio(s, "step"),
-        f"{args.micro_batch * args.seq / s['step']:,.0f}", f"{s['tflops']:.1f}",
+        scheme, str(mb), f"{results[(scheme, mb)]['parameters']:,}",
+        f"{1e3 * s['fwd_bwd']:.1f}", f"{1e3 * s['optimizer']:.1f}", f"{1e3 * s['step']:.1f}",
+        ratio((scheme, mb), "step"), f"{s['tokens']:,.0f}", f"{s['tflops']:.1f}",
         f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a",
-        f"{s['activation'] / 2**30:.2f}", ratio(s, "activation"),
-        f"{results[scheme]['first_loss']:.3f}",
-    ] for scheme, s in stats.items()]
+        f"{s['activation'] / 2**30:.2f}", ratio((scheme, mb), "activation"),
+        f"{results[(scheme, mb)]['first_loss']:.3f}",
+    ] for (scheme, mb), s in stats.items()]
     print(markdown_table(
-        ["scheme", "parameters", "fwd+bwd ms", "fwd+bwd / pre", "step ms", "step / pre",
-         "tokens/s", "TFLOP/s", "MFU", "activation GiB", "activation / pre", "first loss"],
-        rows))
+        ["scheme", "micro-batch", "parameters", "fwd+bwd ms", "optimizer ms", "step ms",
+         "step / pre", "tokens/s", "TFLOP/s", "MFU", "activation GiB", "activation / pre",
+         "first loss"], rows))
+    pre = {mb: s for (scheme, mb), s in stats.items() if scheme == "pre"}
+    if pre:
+        best = max(pre, key=lambda mb: pre[mb]["tokens"])
+        print(f"\nbest pre micro-batch: {best} ({pre[best]['tokens']:,.0f} tokens/s)")
 
 
 def main(argv=None) -> int:
@@ -215,21 +238,23 @@ def main(argv=None) -> int:
         Path(args.result).write_text(json.dumps(measure(args, args.worker)))
         return 0
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    results: dict[str, dict] = {}
+    results: dict[tuple[str, int], dict] = {}
     failed = False
     for _ in range(args.rounds):
-        for scheme in args.schemes.split(","):
-            r = run_worker(scheme, forwarded)
-            if r is None:
-                failed = True
-                continue
-            if scheme in results:  # another round: pool the samples
-                for key in ("fwd_bwd_s", "step_s"):
-                    results[scheme][key] += r[key]
-                results[scheme]["activation_bytes"] = max(
-                    results[scheme]["activation_bytes"], r["activation_bytes"])
-            else:
-                results[scheme] = r
+        for micro_batch in (int(mb) for mb in args.micro_batches.split(",")):
+            for scheme in args.schemes.split(","):
+                r = run_worker(scheme, micro_batch, forwarded)
+                if r is None:
+                    failed = True
+                    continue
+                key = (scheme, micro_batch)
+                if key in results:  # another round: pool the samples
+                    for field in ("fwd_bwd_s", "optimizer_s", "step_s"):
+                        results[key][field] += r[field]
+                    results[key]["activation_bytes"] = max(
+                        results[key]["activation_bytes"], r["activation_bytes"])
+                else:
+                    results[key] = r
     if results:
         report(args, results)
     return 1 if failed else 0

@@ -1,0 +1,27 @@
+"""``bench.gpu_step`` prints its table from the workers' results (checked with made-up
+timings here; the numbers themselves need a GPU)."""
+
+from bench import gpu_step
+
+
+def fake(scheme: str, micro_batch: int, step_ms: float) -> dict:
+    return {"scheme": scheme, "micro_batch": micro_batch, "parameters": 1_000,
+            "fwd_bwd_s": [step_ms * 0.8e-3] * 3, "optimizer_s": [step_ms * 0.2e-3] * 3,
+            "step_s": [step_ms * 1e-3] * 3, "activation_bytes": 2**30 * micro_batch,
+            "first_loss": 10.8, "seq": 4096, "flops_per_step": 1e15, "peak_tflops": 989.0,
+            "device": "made-up GPU", "attention": "sdpa", "linears": "local",
+            "norms": "triton"}
+
+
+def test_the_table_has_a_row_per_scheme_and_micro_batch(capsys):
+    args = gpu_step.parse_args(["--micro-batches", "2,4"])
+    results = {("pre", 2): fake("pre", 2, 100.0), ("siamese", 2): fake("siamese", 2, 102.0),
+               ("pre", 4): fake("pre", 4, 180.0), ("siamese", 4): fake("siamese", 4, 185.4)}
+    gpu_step.report(args, results)
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| pre") or
+            line.startswith("| siamese")]
+    assert len(rows) == 4
+    assert "| siamese | 4 |" in out and "| 1.030 |" in out  # 185.4 / 180 at micro-batch 4
+    assert "| 20.0 |" in out  # the optimizer's share of pre's 100 ms step at micro-batch 2
+    assert "best pre micro-batch: 4 (91,022 tokens/s)" in out  # 4 x 4096 / 0.18 s
