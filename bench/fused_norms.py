@@ -7,7 +7,11 @@ plain norm; a sublayer's entry; the attention update fused with the MLP entry; t
 last update into the packed tensor; the final merge), forward and forward+backward, the time
 of the Triton kernels, torch eager (the reference composition the model runs unfused),
 torch.compile of that reference and, when Transformer Engine is installed, TE's norms called
-one at a time. Bandwidth counts each activation the op must touch once: inputs read and
+one at a time. The plain norm also gets torch's own fused norm (``F.rms_norm`` /
+``F.layer_norm`` on bf16 weights) and, when installed (``pip install liger-kernel``, a
+benchmark-only dependency), Liger-Kernel's. Times are GPU times from
+``triton.testing.do_bench`` (many launches, no synchronisation per launch), the median of
+``--rounds`` medians. Bandwidth counts each activation the op must touch once: inputs read and
 outputs written (for forward+backward also the output gradients read and the input gradients
 written); norm weights are left out (a few KB). It is given next to a device-to-device copy
 measured in the same run, the practical ceiling for ops like these.
@@ -100,27 +104,19 @@ def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype) -> list[torc
     return [make(hidden) for _ in range(op.inputs)]
 
 
-def time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median time of ``fn`` on the GPU, after warm-up (which also triggers compilation)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(fn: Callable[[], object], rounds: int) -> float:
+    """GPU time of one call of ``fn`` in ms: the median over ``rounds`` of do_bench's median
+    (its warm-up also triggers compilation)."""
+    from triton.testing import do_bench
+
+    return statistics.median(do_bench(fn, return_mode="median") for _ in range(rounds))
 
 
-def copy_bandwidth(iters: int) -> float:
+def copy_bandwidth(rounds: int) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters)
+    ms = time_ms(lambda: dst.copy_(src), rounds)
     return 2 * src.numel() / ms / 1e6
 
 
@@ -152,6 +148,26 @@ def implementations(te_available: bool) -> dict[str, tuple]:
     return impls
 
 
+def plain_norm_alternatives(norm: str, hidden: int) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Other implementations of the plain norm alone: torch's own fused norm, and
+    Liger-Kernel's when it is installed (builders of bf16 modules on the GPU)."""
+    rms = norm == "rmsnorm"
+
+    def torch_norm():
+        module = (torch.nn.RMSNorm(hidden, eps=1e-5) if rms
+                  else torch.nn.LayerNorm(hidden, eps=1e-5, bias=False))
+        return module.to("cuda", torch.bfloat16)
+
+    found = {"torch F.rms_norm" if rms else "torch F.layer_norm": torch_norm}
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+    except ImportError:
+        return found
+    found["Liger-Kernel"] = lambda: (LigerRMSNorm(hidden, eps=1e-5) if rms else
+                                     LigerLayerNorm(hidden, eps=1e-5)).to("cuda", torch.bfloat16)
+    return found
+
+
 def measure(args) -> tuple[list[dict], float]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -162,22 +178,26 @@ def measure(args) -> tuple[list[dict], float]:
                                normalization="RMSNorm" if args.norm == "rmsnorm" else "LayerNorm",
                                params_dtype=torch.bfloat16)
     tokens = SEQ * args.batch
-    copy_gbs = copy_bandwidth(args.iters)
+    copy_gbs = copy_bandwidth(args.rounds)
     results = []
     for op in OPS:
+        cases = []  # (implementation, module, call)
         for impl, (backend, compiled) in implementations(te_available).items():
             if op.norms == 0 and impl.startswith("TE"):
                 continue  # no norm in this op: TE has nothing to run
-            module = op_module(op, backend, config, args.hidden)
-            tensors = op_inputs(op, tokens, args.hidden, torch.bfloat16)
             call = op_call(op, backend)
-            if compiled:
-                call = torch.compile(call)
+            cases.append((impl, op_module(op, backend, config, args.hidden),
+                          torch.compile(call) if compiled else call))
+        if op is OPS[0]:
+            cases += [(impl, build(), op_call(op, None))
+                      for impl, build in plain_norm_alternatives(args.norm, args.hidden).items()]
+        for impl, module, call in cases:
+            tensors = op_inputs(op, tokens, args.hidden, torch.bfloat16)
             for pass_name, fn in passes(call, tensors, module).items():
                 row = {"op": op.name, "impl": impl, "pass": pass_name, "ms": None,
                        "bytes": op.tensors_moved(pass_name != "fwd") * tokens * args.hidden * 2}
                 try:
-                    row["ms"] = time_ms(fn, args.iters)
+                    row["ms"] = time_ms(fn, args.rounds)
                 except Exception as err:  # e.g. torch.compile unavailable: report, go on
                     row["error"] = type(err).__name__
                 results.append(row)
@@ -213,7 +233,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2, help="sequences of 4096 tokens")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--norm", choices=["rmsnorm", "layernorm"], default="rmsnorm")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="do_bench medians to take the median of")
     return parser.parse_args(argv)
 
 
@@ -224,8 +245,8 @@ def main(argv=None) -> int:
         return 0
     results, copy_gbs = measure(args)
     header = (f"{torch.cuda.get_device_name()}; {versions_line()}; {SEQ * args.batch} tokens x "
-              f"{args.hidden}, bf16, {args.norm}; device copy {copy_gbs:,.0f} GB/s; median of "
-              f"{args.iters}")
+              f"{args.hidden}, bf16, {args.norm}; device copy {copy_gbs:,.0f} GB/s; GPU time by "
+              f"triton.testing.do_bench, median of {args.rounds} rounds")
     print(report(results, copy_gbs, header))
     return 0
 
