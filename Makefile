@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench lint gpu-check
+.PHONY: setup test demo bench lint gpu-check te
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
@@ -23,6 +23,10 @@ gpu-check: setup
 	$(PY) -m pytest -q -m gpu -rs
 	$(PY) -m bench.fused_norms
 	$(PY) -m bench.gpu_step --rounds 3
+
+# On a GPU node only: Transformer Engine built against the venv's CUDA torch.
+te: setup
+	bash scripts/install_te.sh $(VENV)
 
 lint: setup
 	$(PY) -m ruff check .
