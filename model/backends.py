@@ -1,7 +1,7 @@
 """Which implementation computes attention and the linear layers: megatron's own modules,
 torch's fused SDPA, or Transformer Engine (TE).
 
-Two model fields choose, each resolved once per process:
+Three model fields choose, each resolved once per process:
 
 - ``attention_backend`` (auto | sdpa | local | te): the core attention. ``local`` is megatron's
   DotProductAttention, which materialises the [b, heads, s, s] score matrix; ``sdpa`` runs
@@ -10,6 +10,9 @@ Two model fields choose, each resolved once per process:
 - ``transformer_impl`` (auto | local | te): the linear layers. ``te`` uses TE's linears and,
   where a scheme's norm sits directly before a projection (Pre-Norm), TE's fused norm+linear.
   ``auto``: te where TE can be used, else local.
+
+- ``megatron_fusions`` (auto | on | off): megatron-core's own fused kernels
+  (:func:`resolve_fusions`). ``auto``: on with CUDA, off on the CPU.
 
 TE is only ever imported after ``torch.cuda.is_available()``: with TE installed on a machine
 without CUDA, importing it raises (not ImportError), so nothing here touches it on a CPU.
@@ -34,6 +37,12 @@ class TransformerImpl(StrEnum):
     AUTO = "auto"
     LOCAL = "local"  # megatron's ColumnParallelLinear / RowParallelLinear
     TE = "te"  # TE linears; fused norm+linear where the scheme allows
+
+
+class MegatronFusions(StrEnum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
 
 
 def te_unavailable_reason() -> str | None:
@@ -79,3 +88,12 @@ def resolve_transformer_impl(choice: TransformerImpl) -> TransformerImpl:
     if choice is TransformerImpl.AUTO:
         return TransformerImpl.TE if te_available() else TransformerImpl.LOCAL
     return choice
+
+
+def resolve_fusions(choice: MegatronFusions) -> bool:
+    """Whether megatron's fusions are on. They are ``torch.compile``d functions (megatron's
+    ``jit_fuser``): Triton kernels on a GPU; on the CPU they would compile C++ for a small gain,
+    so ``auto`` keeps them off there."""
+    if choice is MegatronFusions.AUTO:
+        return device.uses_cuda()
+    return choice is MegatronFusions.ON

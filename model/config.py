@@ -14,7 +14,12 @@ import typing
 from dataclasses import dataclass
 from enum import StrEnum
 
-from model.backends import AttentionBackend, TransformerImpl, te_unavailable_reason
+from model.backends import (
+    AttentionBackend,
+    MegatronFusions,
+    TransformerImpl,
+    te_unavailable_reason,
+)
 from model.schemes import (
     SCHEME_FIELDS,
     Activation,
@@ -98,6 +103,12 @@ class ModelConfig:
     """auto | local | te: linear layers. te: Transformer Engine's linears, with the norm fused
     into the QKV and fc1 projections in Pre-Norm blocks; local: megatron's. auto: te when TE
     is installed on a CUDA machine, else local. Norms the schemes own stay kernels.norms.Norm."""
+    megatron_fusions: MegatronFusions = MegatronFusions.AUTO
+    """auto | on | off: megatron-core's fused kernels that need no TE (SwiGLU with its bias,
+    if any, in one kernel; bias + dropout + residual add in Pre-Norm blocks; in bf16 runs the
+    native fused cross-entropy) and, with TE, its fused RoPE and, with TE linears, the weight
+    gradients accumulated straight into the fp32 main grads. auto: on with CUDA, off on the
+    CPU (they are torch.compile'd). Same function either way, to fp32 rounding."""
     hybrid_first_block: FirstBlock = FirstBlock.HYBRID
     """hybridnorm and siamese_hybrid: hybrid | prenorm | prenorm_literal. prenorm is
     HybridNorm* as the official code computes it; prenorm_literal is SIAMESENORM.md's wording

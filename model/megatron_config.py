@@ -6,8 +6,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from model.backends import (
+    TransformerImpl,
+    resolve_fusions,
+    resolve_transformer_impl,
+    te_available,
+)
 from model.config import ModelConfig, ParallelConfig, validate_layout
-from model.schemes import Activation, Recompute
+from model.schemes import Activation, PositionEmbedding, Recompute
 
 
 def transformer_config(
@@ -26,6 +32,13 @@ def transformer_config(
       wrong results with interleaving on gloo.
     - ``qk_layernorm`` for Q/K/V-norm schemes: it makes megatron sum the per-head norm
       gradients across TP ranks (every rank normalises different heads with shared weights).
+    - megatron's fusions (``model.megatron_fusions``): SwiGLU(+bias), bias+dropout+add and
+      the native cross-entropy need only torch.compile; RoPE fusion needs TE, gradient
+      accumulation fusion TE's linears (megatron's own would need apex). megatron's fused GELU
+      is the tanh approximation, another function than the model's exact GELU, so GELU stays
+      unfused. The native fused cross-entropy casts the logits' gradient to
+      bf16 (megatron's code), so it is used in bf16 runs only. Megatron's masked-softmax fusion
+      is left off: SDPA replaces it.
     - ``hetereogenous_dist_checkpoint`` (sic) when blocks differ: megatron's checkpoint stacks
       each parameter over the blocks, which needs every block to hold it; per-block keys (by
       global index) still reshard across PP layouts.
@@ -35,6 +48,8 @@ def transformer_config(
     swiglu = model.activation is Activation.SWIGLU
     recompute = parallel.recompute
     traits = model.residual_scheme.traits
+    fused = resolve_fusions(model.megatron_fusions)
+    te_linears = resolve_transformer_impl(model.transformer_impl) is TransformerImpl.TE
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -70,11 +85,14 @@ def transformer_config(
         # Dense models have no experts; megatron rejects variable_seq_lengths with the default
         # (allgather) MoE dispatcher even so.
         moe_token_dispatcher_type="alltoall",
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=fused and swiglu,
+        bias_dropout_fusion=fused,
+        cross_entropy_loss_fusion=fused and bf16,
+        cross_entropy_fusion_impl="native",
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        apply_rope_fusion=fused and model.position_embedding is PositionEmbedding.ROPE
+        and te_available(),
+        gradient_accumulation_fusion=fused and te_linears,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
     )

@@ -29,8 +29,8 @@ log = logging.getLogger("pretrain")
 # function is computed (kernels, attention), regularisation, and initialisation (unused when
 # weights are loaded). Every other model field shapes a tensor or changes the function.
 CHANGEABLE_MODEL_FIELDS = frozenset({
-    "attention_backend", "transformer_impl", "hidden_dropout", "attention_dropout",
-    "init_method_std", "init",
+    "attention_backend", "transformer_impl", "megatron_fusions", "hidden_dropout",
+    "attention_dropout", "init_method_std", "init",
 })
 # What HybridNorm*'s block 0 was before model.hybrid_first_block: a gated attention input with
 # its own input norm and no MLP norm on x. No version builds it now; its checkpoints are
