@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
                        ("eval", "validation loss and perplexity of a checkpoint"),
                        ("generate", "sample text from a checkpoint (greedy or seeded)"),
-                       ("export-hf", "write a pre checkpoint as a Hugging Face Llama folder"),
+                       ("export-hf", "write a checkpoint as a Hugging Face model folder"),
                        ("lm-eval", "score lm-evaluation-harness tasks with a checkpoint")):
         c = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
