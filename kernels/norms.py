@@ -51,13 +51,26 @@ class Norm(torch.nn.Module):
         if backend is NormBackend.TRITON:
             from kernels import triton_ops  # compiled, or interpreted, as decided at its import
 
-            self._norm = triton_ops.norm
+            self._norm, self._add_norm = triton_ops.norm, triton_ops.add_norm
         else:
-            self._norm = reference.norm
+            self._norm, self._add_norm = reference.norm, reference.add_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.bias, self.eps, self.is_rms)
 
+    def add_norm(self, h: torch.Tensor, r: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """N(alpha h + r): one pass with triton (the sum is never stored)."""
+        return self._add_norm(h, r, alpha, self.weight, self.bias, self.eps, self.is_rms)
+
     def extra_repr(self) -> str:
         kind = "RMSNorm" if self.is_rms else "LayerNorm"
         return f"{kind}({self.weight.numel()}, eps={self.eps}, backend={self.backend})"
+
+
+def residual_norm(norm: torch.nn.Module, h: torch.Tensor, r: torch.Tensor,
+                  alpha: float = 1.0) -> torch.Tensor:
+    """``norm(alpha h + r)``, fused where ``norm`` is a :class:`Norm` (other norm modules, such
+    as Transformer Engine's, compose it)."""
+    if isinstance(norm, Norm):
+        return norm.add_norm(h, r, alpha)
+    return norm(h + r if alpha == 1.0 else alpha * h + r)

@@ -27,3 +27,10 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: 
          is_rms: bool) -> torch.Tensor:
     """RMSNorm (``is_rms``, no bias) or LayerNorm of the last dimension."""
     return rms_norm(x, weight, eps) if is_rms else layer_norm(x, weight, bias, eps)
+
+
+def add_norm(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tensor,
+             bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
+    """N(alpha h + r): a Post-Norm sublayer's residual add and norm (the add in the
+    activation dtype, as the unfused model computes it)."""
+    return norm(h + r if alpha == 1.0 else alpha * h + r, weight, bias, eps, is_rms)

@@ -12,7 +12,8 @@ point of fusing is to read each input row once and write each output row once:
   pass. Without ``HAS_C`` the input norm Nc is the identity (the paper's ablation).
 - ``dual_update``: the layer's last update, written straight into the two halves of the packed
   tensor that layers exchange.
-- ``norm``: a plain RMSNorm / LayerNorm.
+- ``norm``: a plain RMSNorm / LayerNorm, or with ``HAS_RESIDUAL`` a Post-Norm sublayer's
+  ``N(alpha h + r)`` in one pass (the sum is recomputed in backward, never stored).
 
 ``HAS_BIAS``: the norms' LayerNorm bias (``model.norm_bias``); RMSNorm never has one. Bias
 gradients are accumulated either way and dropped by the caller when there is no bias.
@@ -214,14 +215,27 @@ def dual_update_fwd(
 
 
 @triton.jit
+def _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, row, cols, mask,
+                HAS_RESIDUAL: tl.constexpr):
+    """The row a norm reads: x, or alpha x + r for a Post-Norm residual (fp32)."""
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = alpha * x + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(
+            tl.float32)
+    return x
+
+
+@triton.jit
 def norm_fwd(
-    x_ptr, x_stride, w_ptr, b_ptr, out_ptr, stats_ptr, n_cols, eps,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, b_ptr, out_ptr, stats_ptr, n_cols, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    """out = N(x), or N(alpha x + r) with ``HAS_RESIDUAL`` (the sum is never stored)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, row, cols, mask, HAS_RESIDUAL)
     x_hat, mean, rstd = _normalize(x, mask, n_cols, eps, IS_RMS)
     _save_stats(stats_ptr + row * 2, 0, mean, rstd, IS_RMS)
     out = _affine(x_hat, w_ptr, b_ptr, cols, mask, HAS_BIAS)
@@ -230,11 +244,12 @@ def norm_fwd(
 
 @triton.jit
 def norm_bwd(
-    x_ptr, x_stride, w_ptr, stats_ptr, g_ptr, dx_ptr, dw_ptr,
+    x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, stats_ptr, g_ptr, dx_ptr, dr_ptr, dw_ptr,
     n_rows, n_cols, rows_per_program,
-    IS_RMS: tl.constexpr, BLOCK: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Gradients of :func:`norm_fwd`; ``dw`` gets this program's partial (w, b) sums."""
+    """Gradients of :func:`norm_fwd` (the sum recomputed from x and r); ``dw`` gets this
+    program's partial (w, b) sums. With a residual, dr = dN and dx = alpha dN."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -244,12 +259,15 @@ def norm_bwd(
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
     for row in range(start, end):
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, row, cols, mask, HAS_RESIDUAL)
         x_hat, rstd = _reload_hat(x, mask, stats_ptr + row * 2, 0, IS_RMS)
         g = tl.load(g_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         acc_w += g * x_hat
         acc_b += g
         dx = _input_grad(g * w, x_hat, rstd, n_cols, IS_RMS)
+        if HAS_RESIDUAL:
+            tl.store(dr_ptr + row * n_cols + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
+            dx = alpha * dx
         tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
     partial = dw_ptr + pid.to(tl.int64) * 2 * n_cols + cols
     tl.store(partial, acc_w, mask=mask)

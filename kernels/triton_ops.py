@@ -48,37 +48,44 @@ def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
 
 
 class NormFunction(torch.autograd.Function):
-    """out = N(x) for RMSNorm (``bias`` None) or LayerNorm."""
+    """out = N(x) for RMSNorm (``bias`` None) or LayerNorm; with a ``residual`` r,
+    out = N(alpha x + r) (Post-Norm's residual add fused into its norm)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, is_rms: bool):
+    def forward(ctx, x, residual, alpha: float, weight, bias, eps: float, is_rms: bool):
         rows = _rows(x)
+        res = rows if residual is None else _rows(residual)
         n_rows, n_cols = rows.shape
         out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
         stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
         if n_rows:
             kern.norm_fwd[(n_rows,)](
-                rows, rows.stride(0), weight, weight if bias is None else bias, out, stats,
-                n_cols, eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, **_launch_args(n_cols))
-        ctx.save_for_backward(rows, weight, stats)
+                rows, rows.stride(0), res, res.stride(0), alpha, weight,
+                weight if bias is None else bias, out, stats, n_cols, eps, IS_RMS=is_rms,
+                HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                **_launch_args(n_cols))
+        ctx.save_for_backward(rows, res, weight, stats)
         ctx.has_bias, ctx.is_rms = bias is not None, is_rms
+        ctx.has_residual, ctx.alpha = residual is not None, alpha
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        rows, weight, stats = ctx.saved_tensors
+        rows, res, weight, stats = ctx.saved_tensors
         n_rows, n_cols = rows.shape
         grad = grad.contiguous()
         dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+        dr = torch.empty_like(dx) if ctx.has_residual else dx
         programs = _programs(n_rows, rows.device)
         partials = torch.zeros((programs, 2, n_cols), dtype=torch.float32, device=rows.device)
         if n_rows:
             kern.norm_bwd[(programs,)](
-                rows, rows.stride(0), weight, stats, grad, dx, partials,
-                n_rows, n_cols, triton.cdiv(n_rows, programs),
-                IS_RMS=ctx.is_rms, **_launch_args(n_cols))
+                rows, rows.stride(0), res, res.stride(0), ctx.alpha, weight, stats, grad, dx,
+                dr, partials, n_rows, n_cols, triton.cdiv(n_rows, programs),
+                IS_RMS=ctx.is_rms, HAS_RESIDUAL=ctx.has_residual, **_launch_args(n_cols))
         dw, db = _sum_partials(partials, [weight, weight if ctx.has_bias else None])
-        return dx.view(grad.shape), dw, db, None, None
+        dres = dr.view(grad.shape) if ctx.has_residual else None
+        return dx.view(grad.shape), dres, None, dw, db, None, None
 
 
 class EntryFunction(torch.autograd.Function):
@@ -175,7 +182,13 @@ class DualUpdateFunction(torch.autograd.Function):
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
          is_rms: bool) -> torch.Tensor:
     """RMSNorm (``is_rms``, no bias) or LayerNorm of the last dimension."""
-    return NormFunction.apply(x, weight, None if is_rms else bias, eps, is_rms)
+    return NormFunction.apply(x, None, 1.0, weight, None if is_rms else bias, eps, is_rms)
+
+
+def add_norm(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tensor,
+             bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
+    """N(alpha h + r) in one pass (:class:`NormFunction` with a residual)."""
+    return NormFunction.apply(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)
 
 
 def dual_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float,

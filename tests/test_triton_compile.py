@@ -30,3 +30,7 @@ def test_every_kernel_launch_compiles_for_sm90():
     # (RMS, Layer with bias, Layer without) x (entry, entry without Nin, update+entry, merge)
     assert len(entry) == 12
     assert {tuple(r["dtypes"]) for r in report} >= {("*bf16", "*fp32"), ("*fp32",)}
+    # the plain norm, and Post-Norm's residual add fused into it, forward and backward
+    assert {(r["kernel"], r["constexprs"]["HAS_RESIDUAL"]) for r in report
+            if r["kernel"].startswith("norm_")} == {(k, v) for k in ("norm_fwd", "norm_bwd")
+                                                    for v in (True, False)}

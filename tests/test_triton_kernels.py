@@ -130,6 +130,17 @@ def test_plain_norm(rows, hidden, kind, dtype):
                   lambda t, m: [m(t[0])], [x], dtype)
 
 
+@pytest.mark.parametrize("alpha", [1.0, 2.5])  # Post-Norm, DeepNorm
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,hidden", SHAPES[1:])
+def test_post_norm_residual_fused_into_the_norm(rows, hidden, kind, dtype, alpha):
+    """N(alpha h + r): the output and the gradients of h, r and the norm's parameters."""
+    h, r = inputs((rows, hidden), dtype, 2)
+    assert_parity(lambda backend: perturbed(norm_builder(kind, hidden, dtype, backend)()),
+                  lambda t, m: [m.add_norm(t[0], t[1], alpha)], [h, r], dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
@@ -229,6 +240,27 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     assert calls_f["EntryFunction"] == sum(per_block) + 1, calls_f
     assert calls_f["DualUpdateFunction"] == 2, calls_f
     assert (calls_f["NormFunction"] > 0) == (scheme == "siamese_hybrid"), calls_f
+
+
+@pytest.mark.parametrize("scheme", ["post", "deepnorm", "hybridnorm", "mixln"])
+def test_post_norm_schemes_same_loss_and_grads(single_rank, device, monkeypatch, scheme):
+    """Post-Norm's residual adds run fused into their norms: same loss and gradients as the
+    torch model, one fused residual norm per Post-Norm sublayer."""
+    calls = collections.Counter()
+    residual = collections.Counter()
+
+    def counted(*args, apply=triton_ops.NormFunction.apply):
+        residual["with"] += args[1] is not None
+        return apply(*args)
+    monkeypatch.setattr(triton_ops.NormFunction, "apply", counted)
+    cfg = tiny_model(scheme, num_layers=2,
+                     **({"mixln_post_ratio": 0.5} if scheme == "mixln" else {}))
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    (loss_t, grads_t, _), (loss_f, grads_f, _) = _torch_and_triton(cfg, tokens.to(device), calls)
+    errors = [rel_err(loss_f, loss_t)] + [rel_err(grads_f[n], grads_t[n]) for n in grads_t]
+    assert errors[0] <= 1e-6 and max(errors) <= 1e-5, errors
+    fused = {"post": 4, "deepnorm": 4, "hybridnorm": 2, "mixln": 2}[scheme]  # 2 blocks
+    assert residual["with"] == fused, residual
 
 
 def _perturb_norms(model) -> None:

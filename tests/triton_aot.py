@@ -82,7 +82,8 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool) -> None:
     b = [t(HIDDEN) for _ in range(3)] if has_bias else [None] * 3
     eps = 1e-5
     outputs = [
-        triton_ops.NormFunction.apply(x, w[0], b[0], eps, is_rms),
+        triton_ops.norm(x, w[0], b[0], eps, is_rms),
+        triton_ops.add_norm(x, r, 2.5, w[0], b[0], eps, is_rms),  # Post-Norm, DeepNorm
         # siamese entry (with and without the input norm), update+entry, and the merge
         *triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
                                         eps, is_rms, True)[::2],

@@ -14,18 +14,16 @@ from __future__ import annotations
 import torch
 
 from model.config import ModelConfig
-from model.layers.base import BranchInputs, LayerChoice
+from model.layers.base import LayerChoice
 from model.layers.post import PostNormLayer
 
 
 class DeepNormLayer(PostNormLayer):
+    """PostNormLayer's compute with alpha = (2 L)^(1/4)."""
+
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         self.alpha = (2.0 * self.config.num_layers) ** 0.25  # the whole model's L, every stage
-
-    def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        h = self.attn_post_norm(self.alpha * h + self.attention(h, inputs))
-        return self.mlp_post_norm(self.alpha * h + self.feed_forward(h, inputs))
 
 
 def scale_init(model: ModelConfig, key: str, weight: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.norms import residual_norm
 from model.config import ModelConfig
 from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
 from model.schemes import FirstBlock
@@ -29,8 +30,7 @@ class HybridNormLayer(SchemeLayer):
         self.mlp_post_norm = self.build_norm()
 
     def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        h = h + self.attention(h, inputs)
-        u = self.mlp_post_norm(h)
+        u = residual_norm(self.mlp_post_norm, h, self.attention(h, inputs))  # N(h + Attn(h))
         return u + self.feed_forward(u, inputs)
 
 
