@@ -12,6 +12,9 @@ point of fusing is to read each input row once and write each output row once:
   pass. Without ``HAS_C`` the input norm Nc is the identity (the paper's ablation).
 - ``dual_update``: the layer's last update, written straight into the two halves of the packed
   tensor that layers exchange.
+- ``qkv_norm``: the per-head Q, K and V norms of QKV-norm attention (siamese_hybrid,
+  hybridnorm) read straight from the packed projection, one (token, K/V group) row of
+  ``heads + 2`` heads per program, written as contiguous Q, K and V.
 - ``norm``: a plain RMSNorm / LayerNorm, or with ``HAS_RESIDUAL`` a Post-Norm sublayer's
   ``N(alpha h + r)`` in one pass (the sum is recomputed in backward, never stored).
 
@@ -272,3 +275,115 @@ def norm_bwd(
     partial = dw_ptr + pid.to(tl.int64) * 2 * n_cols + cols
     tl.store(partial, acc_w, mask=mask)
     tl.store(partial + n_cols, acc_b, mask=mask)
+
+
+@triton.jit
+def _head_tile(mixed_ptr, row, heads, head_dim, HEADS: tl.constexpr, DIM: tl.constexpr):
+    """One (token, K/V group) row of the packed Q/K/V projection as a [HEADS, DIM] fp32 tile:
+    the group's query heads, then its key head, then its value head."""
+    j = tl.arange(0, HEADS)[:, None]
+    c = tl.arange(0, DIM)[None, :]
+    mask = (j < heads + 2) & (c < head_dim)
+    x = tl.load(mixed_ptr + row * (heads + 2) * head_dim + j * head_dim + c, mask=mask,
+                other=0.0).to(tl.float32)
+    return x, j, c, mask
+
+
+@triton.jit
+def _head_weights(q_ptr, k_ptr, v_ptr, j, c, heads, head_dim):
+    """[HEADS, DIM] tile of the norm weight (or bias) each head row uses: Q's for the query
+    heads, K's for the key head, V's for the value head."""
+    cm = c < head_dim
+    wq = tl.load(q_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    wk = tl.load(k_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    wv = tl.load(v_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    return tl.where(j < heads, wq, tl.where(j == heads, wk, wv))
+
+
+@triton.jit
+def qkv_norm_fwd(
+    mixed_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, q_ptr, k_ptr, v_ptr, stats_ptr,
+    heads, head_dim, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+):
+    """Per-head norms of one (token, group) row of the packed projection, written as
+    contiguous Q [.., heads, dim], K and V [.., dim]; per-head (mean, rstd) saved."""
+    row = tl.program_id(0).to(tl.int64)
+    x, j, c, mask = _head_tile(mixed_ptr, row, heads, head_dim, HEADS, DIM)
+    mean = tl.sum(x, axis=1) / head_dim
+    if IS_RMS:
+        centered = x
+    else:
+        centered = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / head_dim + eps)
+    out = centered * rstd[:, None] * _head_weights(wq_ptr, wk_ptr, wv_ptr, j, c, heads,
+                                                   head_dim)
+    if HAS_BIAS:
+        out += _head_weights(bq_ptr, bk_ptr, bv_ptr, j, c, heads, head_dim)
+    rows = tl.arange(0, HEADS)
+    stats = stats_ptr + row * (heads + 2) * 2 + rows * 2
+    if not IS_RMS:
+        tl.store(stats, mean, mask=rows < heads + 2)
+    tl.store(stats + 1, rstd, mask=rows < heads + 2)
+    in_dim = c < head_dim
+    tl.store(q_ptr + (row * heads + j) * head_dim + c, out.to(q_ptr.dtype.element_ty),
+             mask=(j < heads) & in_dim)
+    tl.store(k_ptr + row * head_dim + c + 0 * j, out.to(k_ptr.dtype.element_ty),
+             mask=(j == heads) & in_dim)
+    tl.store(v_ptr + row * head_dim + c + 0 * j, out.to(v_ptr.dtype.element_ty),
+             mask=(j == heads + 1) & in_dim)
+
+
+@triton.jit
+def qkv_norm_bwd(
+    mixed_ptr, wq_ptr, wk_ptr, wv_ptr, stats_ptr, gq_ptr, gk_ptr, gv_ptr, dmixed_ptr, dw_ptr,
+    n_rows, heads, head_dim, rows_per_program,
+    IS_RMS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+):
+    """Gradients of :func:`qkv_norm_fwd`: the packed projection's, and this program's partial
+    sums of the six weight/bias gradients (rows wq, wk, wv, bq, bk, bv of ``dw``)."""
+    pid = tl.program_id(0)
+    j0 = tl.arange(0, HEADS)[:, None]
+    c0 = tl.arange(0, DIM)[None, :]
+    w = _head_weights(wq_ptr, wk_ptr, wv_ptr, j0, c0, heads, head_dim)
+    acc_w = tl.zeros([HEADS, DIM], dtype=tl.float32)
+    acc_b = tl.zeros([HEADS, DIM], dtype=tl.float32)
+    start = pid.to(tl.int64) * rows_per_program
+    end = tl.minimum(start + rows_per_program, n_rows)
+    for row in range(start, end):
+        x, j, c, mask = _head_tile(mixed_ptr, row, heads, head_dim, HEADS, DIM)
+        stats = stats_ptr + row * (heads + 2) * 2 + tl.arange(0, HEADS) * 2
+        valid = tl.arange(0, HEADS) < heads + 2
+        rstd = tl.load(stats + 1, mask=valid, other=0.0)[:, None]
+        if IS_RMS:
+            x_hat = x * rstd
+        else:
+            mean = tl.load(stats, mask=valid, other=0.0)[:, None]
+            x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        in_dim = c < head_dim
+        g = tl.load(gq_ptr + (row * heads + j) * head_dim + c, mask=(j < heads) & in_dim,
+                    other=0.0).to(tl.float32)
+        g += tl.load(gk_ptr + row * head_dim + c + 0 * j, mask=(j == heads) & in_dim,
+                     other=0.0).to(tl.float32)
+        g += tl.load(gv_ptr + row * head_dim + c + 0 * j, mask=(j == heads + 1) & in_dim,
+                     other=0.0).to(tl.float32)
+        acc_w += g * x_hat
+        acc_b += g
+        g_hat = g * w
+        dot = tl.sum(g_hat * x_hat, axis=1)[:, None] / head_dim
+        if IS_RMS:
+            dx = (g_hat - x_hat * dot) * rstd
+        else:
+            dx = (g_hat - tl.sum(g_hat, axis=1)[:, None] / head_dim - x_hat * dot) * rstd
+        tl.store(dmixed_ptr + row * (heads + 2) * head_dim + j * head_dim + c,
+                 dx.to(dmixed_ptr.dtype.element_ty), mask=mask)
+    partial = dw_ptr + pid.to(tl.int64) * 6 * head_dim + tl.arange(0, DIM)
+    rows = tl.arange(0, HEADS)[:, None]
+    cm = tl.arange(0, DIM) < head_dim
+    is_q, is_k, is_v = rows < heads, rows == heads, rows == heads + 1
+    tl.store(partial, tl.sum(tl.where(is_q, acc_w, 0.0), axis=0), mask=cm)
+    tl.store(partial + head_dim, tl.sum(tl.where(is_k, acc_w, 0.0), axis=0), mask=cm)
+    tl.store(partial + 2 * head_dim, tl.sum(tl.where(is_v, acc_w, 0.0), axis=0), mask=cm)
+    tl.store(partial + 3 * head_dim, tl.sum(tl.where(is_q, acc_b, 0.0), axis=0), mask=cm)
+    tl.store(partial + 4 * head_dim, tl.sum(tl.where(is_k, acc_b, 0.0), axis=0), mask=cm)
+    tl.store(partial + 5 * head_dim, tl.sum(tl.where(is_v, acc_b, 0.0), axis=0), mask=cm)

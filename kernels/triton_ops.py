@@ -179,6 +179,69 @@ class DualUpdateFunction(torch.autograd.Function):
         return gx, gy, gx / ctx.scale + gy, None, None, None
 
 
+class QKVNormFunction(torch.autograd.Function):
+    """(Q, K, V) with per-head norms, from the packed projection [.., groups, (heads + 2) dim]
+    (megatron's layout per K/V group: its query heads, its key head, its value head).
+    Q is [.., groups * heads, dim], K and V [.., groups, dim], all contiguous."""
+
+    @staticmethod
+    def forward(ctx, mixed, heads: int, dim: int, eps: float, is_rms: bool,
+                wq, bq, wk, bk, wv, bv):
+        lead = mixed.shape[:-2]
+        groups = mixed.shape[-2]
+        rows = mixed.reshape(-1, (heads + 2) * dim)
+        rows = rows if rows.is_contiguous() else rows.contiguous()
+        n_rows = rows.shape[0]
+        q = torch.empty((*lead, groups * heads, dim), dtype=mixed.dtype, device=mixed.device)
+        k = torch.empty((*lead, groups, dim), dtype=mixed.dtype, device=mixed.device)
+        v = torch.empty_like(k)
+        stats = torch.empty((n_rows, heads + 2, 2), dtype=torch.float32, device=mixed.device)
+        has_bias = bq is not None
+        if n_rows:
+            kern.qkv_norm_fwd[(n_rows,)](
+                rows, wq, wk, wv, bq if has_bias else wq, bk if has_bias else wk,
+                bv if has_bias else wv, q, k, v, stats, heads, dim, eps, IS_RMS=is_rms,
+                HAS_BIAS=has_bias, **_head_launch_args(heads, dim))
+        ctx.save_for_backward(rows, wq, wk, wv, stats)
+        ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias = heads, dim, is_rms, has_bias
+        ctx.mixed_shape = mixed.shape
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        rows, wq, wk, wv, stats = ctx.saved_tensors
+        n_rows, heads, dim = rows.shape[0], ctx.heads, ctx.dim
+        gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
+        dmixed = torch.empty_like(rows)
+        programs = _programs(n_rows, rows.device)
+        partials = torch.zeros((programs, 6, dim), dtype=torch.float32, device=rows.device)
+        if n_rows:
+            kern.qkv_norm_bwd[(programs,)](
+                rows, wq, wk, wv, stats, gq, gk, gv, dmixed, partials, n_rows, heads, dim,
+                triton.cdiv(n_rows, programs), IS_RMS=ctx.is_rms,
+                **_head_launch_args(heads, dim))
+        bias = ctx.has_bias
+        dwq, dwk, dwv, dbq, dbk, dbv = _sum_partials(
+            partials, [wq, wk, wv] + ([wq, wk, wv] if bias else [None] * 3))
+        return (dmixed.view(ctx.mixed_shape), None, None, None, None,
+                dwq, dbq, dwk, dbk, dwv, dbv)
+
+
+def _head_launch_args(heads: int, dim: int) -> dict:
+    tile = triton.next_power_of_2(heads + 2) * triton.next_power_of_2(dim)
+    return {"HEADS": triton.next_power_of_2(heads + 2), "DIM": triton.next_power_of_2(dim),
+            "num_warps": min(max(tile // 256, 1), 8)}
+
+
+def qkv_norm(mixed: torch.Tensor, heads: int, dim: int, eps: float, is_rms: bool,
+             q_norm, k_norm, v_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V normalised by the ``Norm`` modules ``q_norm``, ``k_norm``, ``v_norm`` (see
+    :class:`QKVNormFunction`)."""
+    biases = [None if is_rms else n.bias for n in (q_norm, k_norm, v_norm)]
+    return QKVNormFunction.apply(mixed, heads, dim, eps, is_rms, q_norm.weight, biases[0],
+                                 k_norm.weight, biases[1], v_norm.weight, biases[2])
+
+
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
          is_rms: bool) -> torch.Tensor:
     """RMSNorm (``is_rms``, no bias) or LayerNorm of the last dimension."""

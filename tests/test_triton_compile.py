@@ -15,7 +15,8 @@ from tests.pretrain_fixtures import REPO
 
 pytest.importorskip("triton")
 
-KERNELS = {"norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd"}
+KERNELS = {"norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd",
+           "qkv_norm_fwd", "qkv_norm_bwd"}
 
 
 def test_every_kernel_launch_compiles_for_sm90():

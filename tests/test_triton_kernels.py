@@ -130,6 +130,30 @@ def test_plain_norm(rows, hidden, kind, dtype):
                   lambda t, m: [m(t[0])], [x], dtype)
 
 
+def qkv_heads(tensors, norms, heads: int, dim: int):
+    """Q, K, V of a packed projection [s, b, groups, (heads + 2) dim], normalised per head:
+    one fused op with triton, megatron's split then three norms with torch."""
+    [mixed] = tensors
+    q_norm, k_norm, v_norm = norms
+    if q_norm.backend is TRITON:
+        return list(triton_ops.qkv_norm(mixed, heads, dim, 1e-5, q_norm.is_rms, *norms))
+    q, k, v = mixed.split([heads * dim, dim, dim], dim=-1)
+    return [q_norm(q.reshape(*q.shape[:2], -1, dim)), k_norm(k), v_norm(v)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tokens,groups,heads,dim", [(1, 1, 1, 8), (5, 2, 2, 12),
+                                                     (3, 3, 4, 16), (4, 1, 6, 10)])
+def test_qkv_head_norms_from_the_packed_projection(tokens, groups, heads, dim, kind, dtype):
+    [mixed] = inputs((tokens, 1, groups, (heads + 2) * dim), dtype, 1)
+
+    def build(backend):
+        make = norm_builder(kind, dim, dtype, backend)
+        return perturbed(torch.nn.ModuleList([make(), make(), make()]))
+    assert_parity(build, lambda t, m: qkv_heads(t, m, heads, dim), [mixed], dtype)
+
+
 @pytest.mark.parametrize("alpha", [1.0, 2.5])  # Post-Norm, DeepNorm
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
@@ -219,7 +243,8 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     against the same model built with torch, same weights, fp32: same loss and gradients, and
     each model runs its own backend throughout."""
     calls = collections.Counter()
-    for fn in (triton_ops.EntryFunction, triton_ops.DualUpdateFunction, triton_ops.NormFunction):
+    for fn in (triton_ops.EntryFunction, triton_ops.DualUpdateFunction, triton_ops.NormFunction,
+               triton_ops.QKVNormFunction):
         def counted(*args, fn=fn, apply=fn.apply):
             calls[fn.__name__] += 1
             return apply(*args)
@@ -240,6 +265,8 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     assert calls_f["EntryFunction"] == sum(per_block) + 1, calls_f
     assert calls_f["DualUpdateFunction"] == 2, calls_f
     assert (calls_f["NormFunction"] > 0) == (scheme == "siamese_hybrid"), calls_f
+    # siamese_hybrid's Q/K/V head norms: one fused op per block
+    assert calls_f["QKVNormFunction"] == (2 if scheme == "siamese_hybrid" else 0), calls_f
 
 
 @pytest.mark.parametrize("scheme", ["post", "deepnorm", "hybridnorm", "mixln"])

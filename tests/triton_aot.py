@@ -59,7 +59,8 @@ def record_launches() -> list:
     """Run each fused op, forward and backward, as the model calls it (bf16 and fp32,
     RMSNorm, LayerNorm with and without bias), and return the kernel launches they make."""
     launches: list = []
-    names = ("norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd")
+    names = ("norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd",
+             "qkv_norm_fwd", "qkv_norm_bwd")
     originals = {n: getattr(triton_kernels, n) for n in names}
     for name in names:
         setattr(triton_kernels, name, _Recorder(name, launches))
@@ -94,6 +95,12 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool) -> None:
         triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
                                        eps, is_rms, False)[2],
     ]
+    # QKV-norm attention at the 1.3B shape: 32 heads / 8 K/V groups, head_dim 64
+    mixed = t(2, 1, 8, (4 + 2) * 64)
+    head_norms = [torch.nn.Module() for _ in range(3)]
+    for i, n in enumerate(head_norms):
+        n.weight, n.bias = t(64), b[i] if b[i] is None else t(64)
+    outputs += triton_ops.qkv_norm(mixed, 4, 64, eps, is_rms, *head_norms)
     if is_rms:  # the dual update has no norm
         outputs.append(triton_ops.dual_update(x, y, r, 3.0, streams.empty(x), streams.unpack))
     torch.autograd.backward([o for o in outputs if o is not None],
