@@ -4,7 +4,8 @@
 
 Prints one table at the 1.3B shape (4096 x batch tokens, hidden 2048, bf16): for each op (a
 plain norm; a sublayer's entry; the attention update fused with the MLP entry; the layer's
-last update into the packed tensor; the final merge), forward and forward+backward, the time
+last update into the packed tensor; the final merge; Post-Norm's residual add and norm; the
+Q/K/V head norms of the packed projection), forward and forward+backward, the time
 of the Triton kernels, torch eager (the reference composition the model runs unfused),
 torch.compile of that reference and, when Transformer Engine is installed, TE's norms called
 one at a time. The plain norm also gets torch's own fused norm (``F.rms_norm`` /
@@ -37,11 +38,11 @@ SEQ = 4096
 @dataclass(frozen=True)
 class Op:
     name: str
-    inputs: int  # [tokens, hidden] activations read by the forward (a packed one counts 2)
-    outputs: int  # [tokens, hidden] activations written by the forward
+    inputs: float  # [tokens, hidden] activations read by the forward (a packed one counts 2)
+    outputs: float  # [tokens, hidden] activations written by the forward
     norms: int
 
-    def tensors_moved(self, backward: bool) -> int:
+    def tensors_moved(self, backward: bool) -> float:
         """Forward: inputs + outputs. Backward adds the output gradients read and the input
         gradients written, so forward+backward moves twice as many."""
         return 2 * (self.inputs + self.outputs) if backward else self.inputs + self.outputs
@@ -53,7 +54,11 @@ OPS = [
     Op("(a+b) update + entry", 3, 3, 3),
     Op("(b) last update -> packed", 3, 2, 0),
     Op("(c) merge Nf(Na(x) + Nb(y))", 2, 1, 3),
+    Op("post-norm N(h + r)", 2, 1, 1),
+    # the packed QKV projection at 32 heads / 8 K/V groups: (32 + 2 x 8) x 64 = 1.5 hidden
+    Op("Q/K/V head norms", 1.5, 1.5, 3),
 ]
+HEADS, GROUPS = 32, 8  # the 1.3B shape's attention
 
 
 def op_module(op: Op, backend, config, hidden: int):
@@ -72,8 +77,12 @@ def op_module(op: Op, backend, config, hidden: int):
     def build_norm():
         return build_module(norm, config=config, hidden_size=hidden, eps=1e-5)
 
-    if op is OPS[0]:
+    if op in (OPS[0], OPS[5]):
         return build_norm().cuda()
+    if op is OPS[6]:
+        head_dim = hidden // HEADS
+        return torch.nn.ModuleList(build_module(norm, config=config, hidden_size=head_dim,
+                                                eps=1e-5) for _ in range(3)).cuda()
     if op in (OPS[1], OPS[2]):
         return SublayerNorms(build_norm, backend).cuda()
     if op is OPS[4]:
@@ -83,6 +92,7 @@ def op_module(op: Op, backend, config, hidden: int):
 
 def op_call(op: Op, backend, scale: float = 3.0) -> Callable:
     """``call(tensors, module) -> outputs`` of ``op``, as the model calls it."""
+    from kernels.norms import residual_norm
     from model import streams
     from model.layers.two_stream import packed_update
 
@@ -92,7 +102,24 @@ def op_call(op: Op, backend, scale: float = 3.0) -> Callable:
         OPS[2].name: lambda t, m: list(m.update_entry(*t, scale)),
         OPS[3].name: lambda t, m: [packed_update(*t, scale, backend)],
         OPS[4].name: lambda t, m: [m(t[0])],
+        OPS[5].name: lambda t, m: [residual_norm(m, t[0], t[1])],
+        OPS[6].name: lambda t, m: _qkv_heads(t[0], m, backend),
     }[op.name]
+
+
+def _qkv_heads(mixed: torch.Tensor, norms, backend) -> list[torch.Tensor]:
+    """Q, K, V normalised per head, as QKVNormSelfAttention computes them with ``backend``:
+    the fused op with triton, megatron's split and three norms otherwise."""
+    from kernels.backend import NormBackend
+
+    heads, dim = HEADS // GROUPS, mixed.shape[-1] // (HEADS // GROUPS + 2)
+    if backend is NormBackend.TRITON:
+        from kernels import triton_ops
+
+        q_norm = norms[0]
+        return list(triton_ops.qkv_norm(mixed, heads, dim, q_norm.eps, q_norm.is_rms, *norms))
+    q, k, v = mixed.split([heads * dim, dim, dim], dim=-1)
+    return [norms[0](q.reshape(*q.shape[:2], -1, dim)), norms[1](k), norms[2](v)]
 
 
 def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -101,7 +128,11 @@ def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype) -> list[torc
 
     if op.name in (OPS[1].name, OPS[4].name):
         return [make(2 * hidden)]  # the packed [s, b, 2h] tensor layers exchange
-    return [make(hidden) for _ in range(op.inputs)]
+    if op is OPS[6]:  # the packed QKV projection, [s, b, groups, (heads/groups + 2) dim]
+        dim = hidden // HEADS
+        return [make(GROUPS * (HEADS // GROUPS + 2) * dim).view(tokens, 1, GROUPS, -1)
+                .detach().requires_grad_()]
+    return [make(hidden) for _ in range(int(op.inputs))]
 
 
 def time_ms(fn: Callable[[], object], rounds: int) -> float:
