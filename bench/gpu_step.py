@@ -57,7 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="repeat the scheme cycle; medians are taken over all rounds")
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--transformer-impl", default="auto")
+    p.add_argument("--transformer-impls", default="auto",
+                   help="comma-separated model.transformer_impl values to compare side by side "
+                        "(e.g. local,te: the TE on/off column)")
+    p.add_argument("--transformer-impl", help=argparse.SUPPRESS)  # internal: the worker's
     p.add_argument("--norm-backend", default="auto", help="kernels.norm_backend")
     p.add_argument("--no-optimizer", action="store_true",
                    help="time forward+backward only (no optimizer state, no AdamW step)")
@@ -158,18 +161,20 @@ def measure(args, scheme: str) -> dict:
     }
 
 
-def run_worker(scheme: str, micro_batch: int, forwarded: list[str]) -> dict | None:
-    """Measure one scheme at one micro-batch in a fresh process; None (after printing why) if
-    it failed."""
+def run_worker(scheme: str, micro_batch: int, impl: str, forwarded: list[str]) -> dict | None:
+    """Measure one scheme at one micro-batch with one linear-layer implementation in a fresh
+    process; None (after printing why) if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         proc = subprocess.run(
             [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
-             "--micro-batch", str(micro_batch), "--result", str(result)],
+             "--micro-batch", str(micro_batch), "--transformer-impl", impl,
+             "--result", str(result)],
             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            print(f"{scheme} at micro-batch {micro_batch}: failed (exit {proc.returncode}); if "
+            print(f"{scheme} at micro-batch {micro_batch}, linears {impl}: failed (exit "
+                  f"{proc.returncode}); if "
                   f"out of memory, lower --layers or --micro-batches\n{tail}\n",
                   file=sys.stderr)
             return None
@@ -187,7 +192,7 @@ def summarise(r: dict) -> dict:
             "activation": r["activation_bytes"]}
 
 
-def report(args, results: dict[tuple[str, int], dict]) -> None:
+def report(args, results: dict[tuple[str, int, str], dict]) -> None:
     first = next(iter(results.values()))
     kv = args.kv_heads or args.heads
     step_kind = "fwd+bwd only" if args.no_optimizer else "fwd+bwd + AdamW step"
@@ -196,37 +201,39 @@ def report(args, results: dict[tuple[str, int], dict]) -> None:
     print(f"device: {first['device']}; {versions_line()}")
     print(f"shape: {args.layers} layers x {args.hidden} hidden, {args.heads} heads / {kv} KV, "
           f"SwiGLU {args.ffn}, seq {args.seq}, vocab {args.vocab}; bf16; attention "
-          f"{first['attention']}, linears {first['linears']}, norms {first['norms']}; "
+          f"{first['attention']}, norms {first['norms']}; "
           f"optimizer {optimizer}; recompute none"
           + ("; deterministic kernels (run.deterministic)" if args.deterministic else ""))
     print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
           f"process per scheme and micro-batch; step = {step_kind}, GPU time by CUDA events; "
           "tokens/s, TFLOP/s and MFU from the step time; FLOPs/token by Megatron-LM's formula "
           "(pretrain/throughput.py); activation = peak allocated in fwd+bwd minus weights, "
-          "grads, optimizer state; ratios against pre at the same micro-batch")
+          "grads, optimizer state; ratios against pre at the same micro-batch and linears")
     print(f"{TARGETS}\n")
     stats = {key: summarise(r) for key, r in results.items()}
 
-    def ratio(key: tuple[str, int], field: str) -> str:
-        base = stats.get(("pre", key[1]))
+    def ratio(key: tuple[str, int, str], field: str) -> str:
+        base = stats.get(("pre", key[1], key[2]))
         return f"{stats[key][field] / base[field]:.3f}" if base else "n/a"
 
     rows = [[
-        scheme, str(mb), f"{results[(scheme, mb)]['parameters']:,}",
+        scheme, str(mb), results[key]["linears"], f"{results[key]['parameters']:,}",
         f"{1e3 * s['fwd_bwd']:.1f}", f"{1e3 * s['optimizer']:.1f}", f"{1e3 * s['step']:.1f}",
-        ratio((scheme, mb), "step"), f"{s['tokens']:,.0f}", f"{s['tflops']:.1f}",
+        ratio(key, "step"), f"{s['tokens']:,.0f}", f"{s['tflops']:.1f}",
         f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a",
-        f"{s['activation'] / 2**30:.2f}", ratio((scheme, mb), "activation"),
-        f"{results[(scheme, mb)]['first_loss']:.3f}",
-    ] for (scheme, mb), s in stats.items()]
+        f"{s['activation'] / 2**30:.2f}", ratio(key, "activation"),
+        f"{results[key]['first_loss']:.3f}",
+    ] for key, s in stats.items() for scheme, mb, _ in [key]]
     print(markdown_table(
-        ["scheme", "micro-batch", "parameters", "fwd+bwd ms", "optimizer ms", "step ms",
-         "step / pre", "tokens/s", "TFLOP/s", "MFU", "activation GiB", "activation / pre",
-         "first loss"], rows))
-    pre = {mb: s for (scheme, mb), s in stats.items() if scheme == "pre"}
+        ["scheme", "micro-batch", "linears", "parameters", "fwd+bwd ms", "optimizer ms",
+         "step ms", "step / pre", "tokens/s", "TFLOP/s", "MFU", "activation GiB",
+         "activation / pre", "first loss"], rows))
+    pre = {(mb, impl): s for (scheme, mb, impl), s in stats.items() if scheme == "pre"}
     if pre:
-        best = max(pre, key=lambda mb: pre[mb]["tokens"])
-        print(f"\nbest pre micro-batch: {best} ({pre[best]['tokens']:,.0f} tokens/s)")
+        mb, impl = max(pre, key=lambda k: pre[k]["tokens"])
+        linears = results[("pre", mb, impl)]["linears"]
+        print(f"\nbest pre setting: micro-batch {mb}, linears {linears} "
+              f"({pre[(mb, impl)]['tokens']:,.0f} tokens/s)")
 
 
 def main(argv=None) -> int:
@@ -238,16 +245,18 @@ def main(argv=None) -> int:
         Path(args.result).write_text(json.dumps(measure(args, args.worker)))
         return 0
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    results: dict[tuple[str, int], dict] = {}
+    results: dict[tuple[str, int, str], dict] = {}
     failed = False
+    settings = [(int(mb), impl) for mb in args.micro_batches.split(",")
+                for impl in args.transformer_impls.split(",")]
     for _ in range(args.rounds):
-        for micro_batch in (int(mb) for mb in args.micro_batches.split(",")):
+        for micro_batch, impl in settings:
             for scheme in args.schemes.split(","):
-                r = run_worker(scheme, micro_batch, forwarded)
+                r = run_worker(scheme, micro_batch, impl, forwarded)
                 if r is None:
                     failed = True
                     continue
-                key = (scheme, micro_batch)
+                key = (scheme, micro_batch, impl)
                 if key in results:  # another round: pool the samples
                     for field in ("fwd_bwd_s", "optimizer_s", "step_s"):
                         results[key][field] += r[field]

@@ -15,13 +15,15 @@ def fake(scheme: str, micro_batch: int, step_ms: float) -> dict:
 
 def test_the_table_has_a_row_per_scheme_and_micro_batch(capsys):
     args = gpu_step.parse_args(["--micro-batches", "2,4"])
-    results = {("pre", 2): fake("pre", 2, 100.0), ("siamese", 2): fake("siamese", 2, 102.0),
-               ("pre", 4): fake("pre", 4, 180.0), ("siamese", 4): fake("siamese", 4, 185.4)}
+    results = {("pre", 2, "auto"): fake("pre", 2, 100.0),
+               ("siamese", 2, "auto"): fake("siamese", 2, 102.0),
+               ("pre", 4, "auto"): fake("pre", 4, 180.0),
+               ("siamese", 4, "auto"): fake("siamese", 4, 185.4)}
     gpu_step.report(args, results)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| pre") or
             line.startswith("| siamese")]
     assert len(rows) == 4
-    assert "| siamese | 4 |" in out and "| 1.030 |" in out  # 185.4 / 180 at micro-batch 4
+    assert "| siamese | 4 | local |" in out and "| 1.030 |" in out  # 185.4 / 180 at mb 4
     assert "| 20.0 |" in out  # the optimizer's share of pre's 100 ms step at micro-batch 2
-    assert "best pre micro-batch: 4 (91,022 tokens/s)" in out  # 4 x 4096 / 0.18 s
+    assert "best pre setting: micro-batch 4, linears local (91,022 tokens/s)" in out
