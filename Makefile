@@ -22,7 +22,7 @@ bench: setup
 gpu-check: setup
 	$(PY) -m pytest -q -m gpu -rs
 	$(PY) -m bench.fused_norms
-	$(PY) -m bench.gpu_step --rounds 3
+	$(PY) -m bench.gpu_step
 
 # On a GPU node only: Transformer Engine built against the venv's CUDA torch.
 te: setup
