@@ -405,7 +405,7 @@ def _grad_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["siamese", "siamese_hybrid"])
+@pytest.mark.parametrize("scheme", ["siamese", "siamese_hybrid", "post", "hybridnorm"])
 def test_gpu_whole_model_fused_matches_torch_in_bf16(single_rank, device, scheme):
     """A 4-block model at the 1.3B preset's width (2048, 16 heads / 4 KV, seq 2048) in bf16:
     the fused kernels give the torch path's loss and gradients up to bf16 rounding."""
