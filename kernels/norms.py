@@ -73,4 +73,4 @@ def residual_norm(norm: torch.nn.Module, h: torch.Tensor, r: torch.Tensor,
     as Transformer Engine's, compose it)."""
     if isinstance(norm, Norm):
         return norm.add_norm(h, r, alpha)
-    return norm(h + r if alpha == 1.0 else alpha * h + r)
+    return norm(reference.residual_sum(h, r, alpha))

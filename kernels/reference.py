@@ -29,8 +29,13 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: 
     return rms_norm(x, weight, eps) if is_rms else layer_norm(x, weight, bias, eps)
 
 
+def residual_sum(h: torch.Tensor, r: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha h + r in the activation dtype, as the unfused model computes it (no multiply
+    for alpha = 1)."""
+    return h + r if alpha == 1.0 else alpha * h + r
+
+
 def add_norm(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tensor,
              bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
-    """N(alpha h + r): a Post-Norm sublayer's residual add and norm (the add in the
-    activation dtype, as the unfused model computes it)."""
-    return norm(h + r if alpha == 1.0 else alpha * h + r, weight, bias, eps, is_rms)
+    """N(alpha h + r): a Post-Norm sublayer's residual add and norm."""
+    return norm(residual_sum(h, r, alpha), weight, bias, eps, is_rms)

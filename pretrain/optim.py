@@ -50,9 +50,10 @@ def _torch_adams(optimizer):
     return [opt for _, opt in _torch_optimizers(optimizer) if isinstance(opt, torch.optim.Adam)]
 
 
-def _fuse_groups(torch_optimizer: torch.optim.Optimizer) -> None:
+def _fuse_groups(torch_optimizer: torch.optim.Optimizer, fused: bool = True) -> None:
+    """Step with torch's fused kernel, or (``fused`` false) let torch choose, its default."""
     for group in torch_optimizer.param_groups:
-        group["foreach"], group["fused"] = False, True
+        group["foreach"], group["fused"] = (False, True) if fused else (None, None)
 
 
 def use_fused_kernels(optimizer) -> None:
@@ -138,15 +139,12 @@ def load_state(optimizer, state_dict: dict) -> None:
         patched.append(inner)
     # torch's load takes each param group's flags from the checkpoint; which kernel steps is
     # this run's choice (optim.fused), not the saved run's
-    fused = [opt for opt in _torch_adams(optimizer)
-             if any(group.get("fused") for group in opt.param_groups)]
+    chosen = [(opt, any(group.get("fused") for group in opt.param_groups))
+              for opt in _torch_adams(optimizer)]
     try:
         optimizer.load_state_dict(state_dict)
     finally:
         for inner in patched:
             del inner.load_parameter_state_from_fully_reshardable
-    for torch_optimizer in _torch_adams(optimizer):
-        for group in torch_optimizer.param_groups:
-            group["foreach"], group["fused"] = None, None
-    for torch_optimizer in fused:
-        _fuse_groups(torch_optimizer)
+    for torch_optimizer, fused in chosen:
+        _fuse_groups(torch_optimizer, fused)

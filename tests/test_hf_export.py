@@ -5,9 +5,6 @@ folder; each loads in a fresh process with no code of this project and gives the
 reproduces the sentencepiece one. (Every scheme's mapping: tests/test_hf_remote.py.)"""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import sentencepiece as spm
@@ -18,40 +15,11 @@ from pretrain.config import load_config
 from pretrain.generate import Sampling, continue_tokens
 from pretrain.hf_tokenizer_export import convert
 from runtime import weights
+from tests.hf_side import transformers_side
 from tests.pretrain_fixtures import cli, train_args
 
 TOKENS = [[5, 17, 300, 2, 99, 41, 7, 250], [1, 1, 8, 64, 128, 400, 3, 9]]
 GREEDY = 20
-# Runs in a fresh interpreter, outside the repository, with no PYTHONPATH: only
-# transformers and the exported folder.
-HF_SIDE = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32,
-                                             trust_remote_code=True).eval()
-tokens = torch.tensor(json.loads(sys.argv[2]))
-model.generation_config.eos_token_id = None  # 20 tokens, as ours: no stop at EOD
-with torch.no_grad():
-    logits = model(tokens).logits
-    greedy = model.generate(tokens[:1], max_new_tokens=int(sys.argv[3]),
-                            do_sample=False)
-print(json.dumps({"class": type(model).__name__, "logits": logits.tolist(),
-                  "greedy": greedy[0, tokens.shape[1]:].tolist(),
-                  "modules": sorted(m for m in sys.modules if m.split(".")[0] in
-                                    ("model", "pretrain", "kernels", "runtime"))}))
-"""
-
-
-def transformers_side(folder, tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
-    done = subprocess.run([sys.executable, "-c", HF_SIDE, str(folder), json.dumps(TOKENS),
-                           str(GREEDY)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
-
-
 def our_side(run) -> tuple[torch.Tensor, list[int]]:
     config = load_config(str(run / "config.toml"), [], training=False)
     [model] = build_model(config.model, type(config.parallel)(), seed=1)
@@ -81,8 +49,9 @@ def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tm
                             "--output", str(out)).stdout.splitlines()[-1])
     assert result["output"] == str(out) and (out / "model.safetensors").is_file()
     assert (out / "tokenizer.model").is_file() and (out / "tokenizer.json").is_file()
-    theirs = transformers_side(out, tmp_path)
-    assert theirs["modules"] == []  # nothing of this project was imported
+    seen = transformers_side({"export": out}, TOKENS, GREEDY, tmp_path)
+    assert seen["modules"] == []  # nothing of this project was imported
+    theirs = seen["export"]
     assert theirs["class"] == model_class
     ours, greedy = our_side(run)
     want = torch.tensor(theirs["logits"])

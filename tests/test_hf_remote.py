@@ -10,10 +10,7 @@ greedy decoding. ``pre`` with RMSNorm/SwiGLU/RoPE is a native Llama; the rest ar
 
 import contextlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -26,6 +23,7 @@ from pretrain.generate import Sampling, continue_tokens
 from pretrain.hf_export import write_folder
 from pretrain.tokenizer import open_tokenizer
 from tests.helpers import tiny_model
+from tests.hf_side import transformers_side
 
 GREEDY = 20
 CASES = {
@@ -51,26 +49,6 @@ CASES = {
     "hc-static": ("hc", {"hc_dynamic": False, "hc_rate": 2}),
 }
 PROMPT = [5, 17, 300, 2, 99, 41, 7, 250]  # the padding test's
-# Runs in a fresh interpreter: only transformers and the exported folders.
-HF_SIDE = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-out = {}
-for name, folder in json.loads(sys.argv[1]).items():
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                 dtype=torch.float32).eval()
-    tokens = torch.tensor(json.loads(sys.argv[2]))
-    model.generation_config.eos_token_id = None  # 20 tokens, as ours: no stop at EOD
-    with torch.no_grad():
-        logits = model(tokens).logits
-        greedy = model.generate(tokens[:1], max_new_tokens=int(sys.argv[3]),
-                                do_sample=False)
-    out[name] = {"class": type(model).__name__, "logits": logits.tolist(),
-                 "greedy": greedy[0, tokens.shape[1]:].tolist()}
-out["modules"] = sorted(m for m in sys.modules
-                        if m.split(".")[0] in ("model", "pretrain", "kernels", "runtime"))
-print(json.dumps(out))
-"""
 
 
 def perturbed_model(scheme: str, fields: dict, vocab: int):
@@ -81,16 +59,6 @@ def perturbed_model(scheme: str, fields: dict, vocab: int):
         for param in model.parameters():
             param.add_((0.1 * torch.randn(param.shape, generator=generator)).to(param))
     return cfg, model.eval()
-
-
-def transformers_side(folders: dict, tokens: list, tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
-    done = subprocess.run([sys.executable, "-c", HF_SIDE, json.dumps(folders),
-                           json.dumps(tokens), str(GREEDY)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +90,7 @@ def exported(single_rank, data, tmp_path_factory):
     config = json.loads((control / "config.json").read_text())
     (control / "config.json").write_text(json.dumps({**config,
                                                      "siamese_depth_constant": False}))
-    theirs = transformers_side({**{k: str(v) for k, v in folders.items()},
-                                "control": str(control)}, tokens.tolist(), root)
+    theirs = transformers_side({**folders, "control": control}, tokens.tolist(), GREEDY, root)
     return ours, theirs, folders
 
 
