@@ -40,10 +40,21 @@ class FusedNorms:
             x, y, None, *self._params(), 1.0, self._eps, self._is_rms, True)
         return u, s
 
-    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float):
-        """(u', y', s): x = u + r / scale, y' = y + r, then u' = Na(x), s = Nc(u' + Nb(y'))."""
+    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float,
+                     u_from: tuple[torch.Tensor, Norm] | None = None):
+        """(u', y', s): x = u + r / scale, y' = y + r, then u' = Na(x), s = Nc(u' + Nb(y')).
+        ``u_from`` = (x0, norm) with u = norm(x0): backward keeps x0 (and recomputes u) rather
+        than u; ``norm`` must compute like these norms (:meth:`computes_like`)."""
+        x0, norm = u_from if u_from is not None else (None, None)
         return self._ops.EntryFunction.apply(
-            u, y, r, *self._params(), scale, self._eps, self._is_rms, True)
+            u, y, r, *self._params(), scale, self._eps, self._is_rms, True, x0,
+            None if norm is None else norm.weight, None if norm is None else norm.bias)
+
+    def computes_like(self, norm) -> bool:
+        """Whether ``norm`` is a Norm of the same kind, eps and bias presence as these."""
+        a = self._norms[0]
+        return isinstance(norm, Norm) and (norm.eps, norm.is_rms, norm.bias is None) == (
+            a.eps, a.is_rms, a.bias is None)
 
     def merge(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Nc(Na(x) + Nb(y)), without storing Na(x)."""

@@ -9,7 +9,11 @@ point of fusing is to read each input row once and write each output row once:
   Nb, Nc = Na, Nb, Nfinal`` and ``a`` not stored it is the final merge. With ``UPDATE`` the
   kernel first applies the previous sublayer's dual update, ``x = u + r / c``, ``y = y + r``
   (y is written out, x only feeds the norm), so an attention update and the MLP entry cost one
-  pass. Without ``HAS_C`` the input norm Nc is the identity (the paper's ablation).
+  pass. Its backward re-derives both sums from what the layer keeps anyway, the layer input's
+  y and the branch output r, and u, which with ``RECOMPUTE_U`` it recomputes too, as the
+  previous entry's ``u = Npost(x)`` from that entry's input x: the update then keeps one
+  tensor, r, where storing the sums would keep two. Without ``HAS_C`` the input norm Nc is the
+  identity (the paper's ablation).
 - ``dual_update``: the layer's last update, written straight into the two halves of the packed
   tensor that layers exchange.
 - ``qkv_norm``: the per-head Q, K and V norms of QKV-norm attention (siamese_hybrid,
@@ -129,20 +133,29 @@ def entry_fwd(
 
 
 @triton.jit
+def _recompute_u(x, cols, mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """u = Npost(x) as the previous entry computed and rounded it (same fp32 math)."""
+    x_hat, _, _ = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
+    return _affine(x_hat, wu_ptr, bu_ptr, cols, mask, HAS_BIAS).to(x.dtype)
+
+
+@triton.jit
 def entry_bwd(
     x_ptr, y_ptr, r_ptr, x_stride, y_stride, r_stride,
-    wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, stats_ptr,
+    wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, wu_ptr, bu_ptr, stats_ptr,
     ga_ptr, gy_ptr, gs_ptr,
     dx_ptr, dy_ptr, dr_ptr, dw_ptr,
-    n_rows, n_cols, rows_per_program, scale,
+    n_rows, n_cols, rows_per_program, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_C: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`entry_fwd`. ``ga``/``gy``/``gs`` are the (contiguous) gradients of
     the outputs a, y_out and s; ``dw`` receives this program's partial sums for
-    (wa, ba, wb, bb, wc, bc), each ``n_cols`` long. With UPDATE, ``y_ptr`` is the saved y_out
-    (the updated stream), x is recomputed from u and r, dx is the gradient of u, dy that of the
-    old y and dr = dx / c + dy that of the branch output r."""
+    (wa, ba, wb, bb, wc, bc), each ``n_cols`` long. With UPDATE, ``y_ptr`` is the old y and
+    ``x_ptr`` u (or, with RECOMPUTE_U, the previous entry's input, u = Npost(x) by the weights
+    ``wu``/``bu``); both updated streams are recomputed with r. dx is the gradient of u, dy that
+    of the old y and dr = dx / c + dy that of the branch output r."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -160,10 +173,13 @@ def entry_bwd(
     end = tl.minimum(start + rows_per_program, n_rows)
     for row in range(start, end):
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+        y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0)
         if UPDATE:
+            if RECOMPUTE_U:
+                x = _recompute_u(x, cols, mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS, HAS_BIAS)
             r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
             x = _add_branch(x, r, scale)
-        y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0)
+            y = _add_branch(y, r, 1.0)
         stats_row = stats_ptr + row * 6
         out = row * n_cols + cols
         x_hat, rstd_a = _reload_hat(x.to(tl.float32), mask, stats_row, 0, IS_RMS)

@@ -94,11 +94,14 @@ class EntryFunction(torch.autograd.Function):
     With ``r`` given, (x, y) first become (x + r / scale, y + r) and y_out is the new y;
     otherwise y_out is None. ``a`` is None unless ``store_a``; ``wc`` None drops Nc. Biases are
     None for RMSNorm and for LayerNorm without bias (all three norms alike: ``fuse``).
+    Backward of an update keeps x (here u), y and r, not the updated streams; ``u_from`` (the
+    input that gave u = Npost(u_from), whose norm has weight ``wu`` and bias ``bu``) keeps
+    that instead of u and recomputes u, for when u is not kept anyway and u_from is.
     """
 
     @staticmethod
     def forward(ctx, x, y, r, wa, ba, wb, bb, wc, bc, scale: float, eps: float, is_rms: bool,
-                store_a: bool):
+                store_a: bool, u_from=None, wu=None, bu=None):
         update, has_c = r is not None, wc is not None
         xr, yr = _rows(x), _rows(y)
         rr = _rows(r) if update else xr
@@ -118,16 +121,19 @@ class EntryFunction(torch.autograd.Function):
                 IS_RMS=is_rms, HAS_BIAS=ba is not None, UPDATE=update, STORE_A=store_a,
                 HAS_C=has_c,
                 **_launch_args(n_cols))
-        # With an update, backward reads the new y (an output) instead of the old one.
-        ctx.save_for_backward(xr, y_out if update else yr, rr, wa, ba, wb, bb, wc, bc, stats)
-        ctx.flags = dict(scale=float(scale), is_rms=is_rms, update=update, store_a=store_a)
+        recompute_u = update and u_from is not None
+        ctx.save_for_backward(_rows(u_from) if recompute_u else xr, yr, rr, wa, ba, wb, bb, wc,
+                              bc, wu if recompute_u else None, bu if recompute_u else None,
+                              stats)
+        ctx.flags = dict(scale=float(scale), eps=eps, is_rms=is_rms, update=update,
+                         store_a=store_a, recompute_u=recompute_u)
         shape = x.shape
         return (None if a is None else a.view(shape),
                 None if y_out is None else y_out.view(shape), s.view(shape))
 
     @staticmethod
     def backward(ctx, grad_a, grad_y, grad_s):
-        xr, yr, rr, wa, ba, wb, bb, wc, bc, stats = ctx.saved_tensors
+        xr, yr, rr, wa, ba, wb, bb, wc, bc, wu, bu, stats = ctx.saved_tensors
         f = ctx.flags
         n_rows, n_cols = xr.shape
         grad_s = grad_s.contiguous()
@@ -142,16 +148,16 @@ class EntryFunction(torch.autograd.Function):
             kern.entry_bwd[(programs,)](
                 xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
                 wa, wa if ba is None else ba, wb, wb if bb is None else bb,
-                wa if wc is None else wc, stats,
-                grad_a, grad_y, grad_s, dx, dy, dr, partials,
-                n_rows, n_cols, triton.cdiv(n_rows, programs), f["scale"],
+                wa if wc is None else wc, wa if wu is None else wu, wa if bu is None else bu,
+                stats, grad_a, grad_y, grad_s, dx, dy, dr, partials,
+                n_rows, n_cols, triton.cdiv(n_rows, programs), f["scale"], f["eps"],
                 IS_RMS=f["is_rms"], HAS_BIAS=ba is not None, UPDATE=f["update"],
-                STORE_A=f["store_a"],
-                HAS_C=wc is not None, **_launch_args(n_cols))
+                STORE_A=f["store_a"], HAS_C=wc is not None, RECOMPUTE_U=f["recompute_u"],
+                **_launch_args(n_cols))
         weight_grads = _sum_partials(partials, [wa, ba, wb, bb, wc, bc])
         shape = grad_s.shape
         return (dx.view(shape), dy.view(shape), dr.view(shape) if f["update"] else None,
-                *weight_grads, None, None, None, None)
+                *weight_grads, None, None, None, None, None, None, None)
 
 
 class DualUpdateFunction(torch.autograd.Function):

@@ -55,20 +55,24 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
         streams = (h if traits.qkv_norm else 2 * h) * width
     elif not traits.two_stream:  # hyper-connections (estimated, not yet measured on a GPU)
         streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + 2 * h) * width
-    elif traits.qkv_norm:  # x enters attention through the fp32 gate; the MLP entry re-reads it
-        streams = (n * h + (n - 1) * h + h) * width + (4 * h if width < 4 else 0)
-    else:
-        streams = (n * h + n * h + h) * width
+    else:  # SiameseNorm: the layer input, and r for the MLP entry
+        streams = (n * h + h) * width
     dropout_masks = 2 * h if m.hidden_dropout > 0 else 0
     whole = streams + 2 * h * width + dropout_masks  # + the two branch inputs
     attention = (h + 2 * kv + h + kv + h) * width + 4 * heads
     if traits.qkv_norm:
-        attention += (h + kv) * width + 8 * (heads + 2 * groups)
+        attention += kv * width + 8 * (heads + 2 * groups)
     if m.activation is Activation.SWIGLU:
         mlp = (2 * f + (f if fusions.activation else 3 * f)) * width
     else:
         mlp = 2 * f * width
     return whole, attention + mlp
+
+
+def estimated_layer_bytes(model: ModelConfig, width: int, fusions: Fusions) -> int:
+    """Bytes per token one layer keeps for backward without TP or SP (see
+    :func:`activation_bytes`), in an activation dtype of ``width`` bytes."""
+    return sum(_layer_bytes(model, width, fusions))
 
 
 def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) -> float:
@@ -84,24 +88,25 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     - attention: h, the QKV input; h + 2kv, the QKV output (V is a view of it, so all of it
       stays); h + kv, Q and K after RoPE; h, the attention output, which is also the output
       projection's input; 4a bytes of fp32 logsumexp (flash attention keeps no s x s scores).
-      QKV-norm adds h (the reshaped Q its norm keeps), kv (the normalised V) and 8 (a + 2g)
-      bytes of per-head-row fp32 statistics.
+      QKV-norm adds kv (the normalised V; its fused kernel reads the QKV output, kept anyway,
+      and writes Q and K where RoPE reads them) and 8 (a + 2g) bytes of per-head-row fp32
+      statistics.
     - MLP: h, the fc1 input; 2f, the fc1 output (f for GELU); then megatron's unfused SwiGLU
       keeps silu(gate), up + 0 (its glu_linear_offset add copies) and their product, the fc2
       input: 3f; with the activation fusion only the product, f; GELU its output, f.
     - streams, one (n = 1): 2h, the inputs of the two sublayer norms (h with QKV-norm: its
       attention has no norm in front). Several (SiameseNorm): the fused norm kernels keep their
-      inputs, not their outputs: n h read by the attention entry, then n h of updated streams
-      plus h of attention output r read by the MLP entry, which re-derives x = u + r / c_l from
-      them. With QKV-norm (the hybrid form) x reaches attention through an fp32 gate, an fp32
-      copy of x (4h bytes), and the MLP entry reads the layer input as its x: (n - 1) h there.
+      inputs, not their outputs: n h, the layer input, read by the attention entry; the MLP
+      entry re-derives the updated streams from it and the attention output r (recomputing
+      u = Npost(x)), so it keeps h more, r. With QKV-norm (the hybrid form) x reaches attention
+      through the channel gate, which keeps x itself, a half of the layer input.
       Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
       mixes and writes (n h), the mixed input of its norm (h), the branch output it scales
       into every stream (h) and, dynamic, the normalised streams its weights come from (n h).
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
 
-    That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 7h + 4kv + 5f, siamese
-    10h + 3kv + 5f, siamese_hybrid 12h + 4kv + 5f (2f less each with the activation fusion).
+    That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f, siamese
+    8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f (2f less each with the activation fusion).
     The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
     (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
     with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the

@@ -197,6 +197,33 @@ def test_update_fused_with_entry(rows, hidden, kind, dtype, scale):
                   lambda t, m: m.update_entry(*t, scale), [u, y, r], dtype)
 
 
+def attention_and_mlp(kind, hidden, dtype):
+    """Builds a layer's two sublayers' norms with a given backend (same weights under each)."""
+    def build(backend):
+        layer = torch.nn.Module()
+        layer.attn = SublayerNorms(norm_builder(kind, hidden, dtype, backend), backend)
+        layer.mlp = SublayerNorms(norm_builder(kind, hidden, dtype, backend), backend)
+        return perturbed(layer)
+    return build
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,hidden", SHAPES[1:])
+def test_mlp_entry_recomputing_u_from_the_layer_input(rows, hidden, kind, dtype):
+    """A SiameseNorm layer's entries as the layer chains them: the MLP entry keeps the layer
+    input's x instead of u and recomputes u = Npost(x) in backward."""
+    [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
+    [r] = inputs((rows, 1, hidden), dtype, 1, seed=3)
+
+    def op(t, m):
+        x, y = streams.unpack(t[0])
+        u, s = m.attn.entry(x, y)
+        return [s, *m.mlp.update_entry(u, y, t[1], 2.0 ** 0.5, (x, m.attn.post))]
+
+    assert_parity(attention_and_mlp(kind, hidden, dtype), op, [packed, r], dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_dual_update_into_packed(rows, hidden, dtype):

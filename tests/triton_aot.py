@@ -92,6 +92,9 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool) -> None:
                                         eps, is_rms, True)[::2],
         *triton_ops.EntryFunction.apply(x, y, r, w[0], b[0], w[1], b[1], w[2], b[2], 3.0,
                                         eps, is_rms, True),
+        # the MLP entry of a SiameseNorm layer: u recomputed from the attention entry's x
+        *triton_ops.EntryFunction.apply(x, y, r, w[0], b[0], w[1], b[1], w[2], b[2], 3.0,
+                                        eps, is_rms, True, x, w[2], b[2]),
         triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
                                        eps, is_rms, False)[2],
     ]

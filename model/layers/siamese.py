@@ -36,7 +36,8 @@ class SiameseLayer(TwoStreamLayer):
         x, y = self.streams_in(hidden_states)
         u, s = self.attn_norms.entry(x, y)                        # u = Npost(x), s = Nin(...)
         r = self.attention(s, inputs)
-        u, y, s = self.mlp_norms.update_entry(u, y, r, self.c)   # x = u + r/c, y += r; entry
+        # x = u + r/c, y += r; entry. Backward recomputes u from x, which attention keeps.
+        u, y, s = self.mlp_norms.update_entry(u, y, r, self.c, (x, self.attn_norms.post))
         r = self.feed_forward(s, inputs)
         return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed
 

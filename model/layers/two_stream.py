@@ -32,6 +32,11 @@ class SublayerNorms(torch.nn.Module):
 
     ``entry(x, y)`` is (u, s) with u = Npost(x), s = Nin(u + Npre(y)); ``update_entry`` first
     applies the previous sublayer's update x = u + r / c, y = y + r and returns (u', y, s).
+    Fused, the update keeps u, the old y and r for backward, not the updated streams; given
+    ``u_from`` = (x0, norm) with u = norm(x0) (the previous entry's input and its Npost), it
+    keeps x0 and recomputes u instead. When x0 and y are halves of the layer input, which the
+    attention entry keeps anyway, the MLP entry then keeps only r, as a Pre-Norm layer keeps
+    its MLP norm's input h + r.
     """
 
     def __init__(self, build_norm, backend: NormBackend, *, post: bool = True,
@@ -49,9 +54,12 @@ class SublayerNorms(torch.nn.Module):
         u = self.post(x)
         return u, self.inp(u + self.pre(y))
 
-    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float):
+    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float,
+                     u_from: tuple[torch.Tensor, torch.nn.Module] | None = None):
         if self.fused is not None:
-            return self.fused.update_entry(u, y, r, c)
+            if u_from is not None and not self.fused.computes_like(u_from[1]):
+                u_from = None
+            return self.fused.update_entry(u, y, r, c, u_from)
         y = y + r
         u, s = self.entry(u + r / c, y)
         return u, y, s

@@ -1,0 +1,116 @@
+"""Bytes each residual scheme keeps for backward per token and layer, counted tensor by tensor,
+next to the dry run's estimate of them and as a ratio to pre.
+
+Autograd's saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` during
+one forward: every distinct storage once (a view keeps its whole storage alive), parameters
+left out. A layer's share is the difference between a model with ``--layers + 1`` layers and
+one with ``--layers``, so embedding, output layer and loss cancel. This is the part of
+activation memory the code decides (what each kernel and module keeps), independent of the
+allocator, and it runs the same computation on a CPU (Triton's interpreter, torch's fused CPU
+attention) as on a GPU, so the memory targets of the residual schemes can be checked anywhere;
+the GPU's peak memory (``bench.gpu_step``) adds backward's short-lived buffers on top.
+
+    python -m bench.saved_activations [--hidden 256 --heads 4 --seq 128 --dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the Triton norms run in the interpreter; Triton reads
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # this when a kernel module is imported
+
+from bench.common import markdown_table, random_batch, versions_line  # noqa: E402
+
+SCHEMES = ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--layers", type=int, default=1, help="the smaller model's layers")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--norm-backend", default="triton")
+    return p.parse_args(argv)
+
+
+def saved_bytes(model, batch) -> int:
+    """Bytes of the distinct storages autograd keeps for backward in one forward of ``model``
+    (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    del loss
+    return sum(kept.values())
+
+
+def layer_bytes(args, scheme: str) -> dict:
+    """Measured and estimated bytes per token one layer of ``scheme`` keeps."""
+    from model.builder import build_model
+    from model.config import ModelConfig, ParallelConfig
+    from pretrain.dry_run import Fusions, estimated_layer_bytes
+
+    from runtime import device
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    batch = random_batch(args.vocab, args.batch, args.seq, device.compute_device())
+    measured = []
+    for layers in (args.layers, args.layers + 1):
+        config = ModelConfig(residual_scheme=scheme, num_layers=layers, hidden_size=args.hidden,
+                             num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+                             vocab_size=args.vocab, seq_length=args.seq)
+        [model] = build_model(config, ParallelConfig(), dtype, args.norm_backend, seed=0)
+        measured.append(saved_bytes(model, batch))
+    tc = model.config
+    fusions = Fusions(activation=tc.bias_activation_fusion,
+                      cross_entropy=tc.cross_entropy_loss_fusion)
+    tokens = args.batch * args.seq
+    return {"scheme": scheme, "measured": (measured[1] - measured[0]) / tokens,
+            "estimated": estimated_layer_bytes(config, 2 if dtype == torch.bfloat16 else 4,
+                                               fusions)}
+
+
+def main(argv=None) -> None:
+    from runtime import cpu_compat, parallel
+    from model.config import ParallelConfig
+
+    args = parse_args(argv)
+    with cpu_compat.enabled():
+        parallel.initialize(ParallelConfig())
+        try:
+            results = [layer_bytes(args, s) for s in args.schemes.split(",")]
+        finally:
+            parallel.destroy()
+    base = next((r for r in results if r["scheme"] == "pre"), results[0])
+    h = args.hidden
+    print(versions_line())
+    print(f"shape: {args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}, "
+          f"batch {args.batch}, {args.dtype}, norms {args.norm_backend}; bytes per token and "
+          f"layer kept for backward (h = hidden size in values of the dtype)\n")
+    width = 2 if args.dtype == "bf16" else 4
+    rows = [[r["scheme"], f"{r['measured']:,.0f}", f"{r['measured'] / (width * h):.2f} h",
+             f"{r['estimated']:,.0f}", f"{r['measured'] / base['measured']:.3f}"]
+            for r in results]
+    print(markdown_table(["scheme", "measured B", "measured", "dry-run estimate B",
+                          "layer / pre"], rows))
+
+
+if __name__ == "__main__":
+    main()
