@@ -119,7 +119,8 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     flash attention and counts as none. The terms inside the branches split over TP, their
     inputs and the rest only with sequence parallelism. Left out: per-row norm statistics and
     RoPE's cos/sin (each under 0.5% here) and backward's short-lived buffers. Against one H100
-    at the paper's 1.3B shape this is within 1% for every scheme measured (README, "Activation
+    at the paper's 1.3B shape this is within 1% for the schemes measured with today's kernels;
+    per layer, every scheme is checked against the tensors autograd keeps (README, "Activation
     memory").
     """
     m, p, d = config.model, config.parallel, config.data
