@@ -25,10 +25,15 @@ point of fusing is to read each input row once and write each output row once:
 ``HAS_BIAS``: the norms' LayerNorm bias (``model.norm_bias``); RMSNorm never has one. Bias
 gradients are accumulated either way and dropped by the caller when there is no bias.
 
-Forward kernels run one program per row and save each norm's mean and rstd (fp32) for the
-backward. Backward kernels run a fixed number of programs, each looping over a contiguous block
-of rows, accumulating weight gradients in registers and writing one fp32 partial per program;
-the caller sums the partials. This avoids atomics, so results are deterministic.
+The row kernels (all but ``qkv_norm``) work on tiles of ``ROWS`` rows x ``BLOCK`` columns:
+several rows per tile give a program more independent loads in flight (small hidden sizes,
+and the backward passes, which are otherwise latency-bound). Forward kernels run one program
+per tile and save each norm's mean and rstd (fp32) for the backward. Backward kernels run a
+fixed number of programs, each looping over a contiguous block of rows tile by tile,
+accumulating weight gradients in registers and writing one fp32 partial per program; the
+caller sums the partials (two stages, no atomics, so results are deterministic). Tile shapes
+and warps are a fixed function of the hidden size (``triton_ops``), so a run is reproducible
+bit for bit.
 """
 
 from __future__ import annotations
@@ -38,52 +43,78 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_rows(first, end, ROWS: tl.constexpr):
+    """Row indices of the tile starting at ``first`` (int64) and which are below ``end``."""
+    rows = first + tl.arange(0, ROWS)
+    return rows, rows < end
+
+
+@triton.jit
+def _load(ptr, stride, rows, cols, mask):
+    """[ROWS, BLOCK] tile of a tensor whose rows are contiguous, ``stride`` apart; 0 outside
+    ``mask``."""
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(ptr, stride, rows, cols, mask, value):
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], value.to(ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _normalize(v, mask, n_cols, eps, IS_RMS: tl.constexpr):
-    """(v_hat, mean, rstd) of one fp32 row that is 0 outside ``mask``. The RMS path neither
-    uses nor saves the mean, so the compiler drops its reduction."""
-    mean = tl.sum(v, axis=0) / n_cols
+    """(v_hat, mean, rstd) of each fp32 row of a tile that is 0 outside ``mask``. The RMS path
+    neither uses nor saves the mean, so the compiler drops its reduction."""
+    mean = tl.sum(v, axis=1) / n_cols
     if IS_RMS:
         centered = v
     else:
-        centered = tl.where(mask, v - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / n_cols + eps)
-    return centered * rstd, mean, rstd
+        centered = tl.where(mask, v - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+    return centered * rstd[:, None], mean, rstd
 
 
 @triton.jit
-def _save_stats(stats_row, slot: tl.constexpr, mean, rstd, IS_RMS: tl.constexpr):
+def _save_stats(stats_ptr, rows, row_mask, WIDTH: tl.constexpr, slot: tl.constexpr, mean, rstd,
+                IS_RMS: tl.constexpr):
+    """Norm ``slot``'s (mean, rstd) of each row, at [row, 2 slot] of a [rows, WIDTH] array."""
+    base = stats_ptr + rows * WIDTH + 2 * slot
     if not IS_RMS:
-        tl.store(stats_row + 2 * slot, mean)
-    tl.store(stats_row + 2 * slot + 1, rstd)
+        tl.store(base, mean, mask=row_mask)
+    tl.store(base + 1, rstd, mask=row_mask)
 
 
 @triton.jit
-def _affine(v_hat, w_ptr, b_ptr, cols, mask, HAS_BIAS: tl.constexpr):
-    out = v_hat * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _reload_hat(v, mask, stats_row, slot: tl.constexpr, IS_RMS: tl.constexpr):
-    """v_hat and rstd recomputed from the saved statistics of norm ``slot``."""
-    rstd = tl.load(stats_row + 2 * slot + 1)
+def _reload_hat(v, mask, stats_ptr, rows, row_mask, WIDTH: tl.constexpr, slot: tl.constexpr,
+                IS_RMS: tl.constexpr):
+    """v_hat and rstd of each row, from the statistics :func:`_save_stats` wrote."""
+    base = stats_ptr + rows * WIDTH + 2 * slot
+    rstd = tl.load(base + 1, mask=row_mask, other=0.0)
     if IS_RMS:
-        v_hat = v * rstd
+        v_hat = v * rstd[:, None]
     else:
-        v_hat = tl.where(mask, (v - tl.load(stats_row + 2 * slot)) * rstd, 0.0)
+        mean = tl.load(base, mask=row_mask, other=0.0)
+        v_hat = tl.where(mask, (v - mean[:, None]) * rstd[:, None], 0.0)
     return v_hat, rstd
 
 
 @triton.jit
+def _affine(v_hat, w_ptr, b_ptr, cols, col_mask, HAS_BIAS: tl.constexpr):
+    out = v_hat * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
 def _input_grad(g_hat, v_hat, rstd, n_cols, IS_RMS: tl.constexpr):
-    """d loss / d v of a norm, given g_hat = (d loss / d out) * weight."""
-    dot = tl.sum(g_hat * v_hat, axis=0) / n_cols
+    """d loss / d v of a norm per row, given g_hat = (d loss / d out) * weight."""
+    dot = (tl.sum(g_hat * v_hat, axis=1) / n_cols)[:, None]
     if IS_RMS:
-        dv = (g_hat - v_hat * dot) * rstd
+        dv = (g_hat - v_hat * dot) * rstd[:, None]
     else:
-        dv = (g_hat - tl.sum(g_hat, axis=0) / n_cols - v_hat * dot) * rstd
+        dv = (g_hat - (tl.sum(g_hat, axis=1) / n_cols)[:, None] - v_hat * dot) * rstd[:, None]
     return dv
 
 
@@ -98,46 +129,45 @@ def entry_fwd(
     x_ptr, y_ptr, r_ptr, x_stride, y_stride, r_stride,
     wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, bc_ptr,
     a_out_ptr, y_out_ptr, s_out_ptr, stats_ptr,
-    n_cols, scale, eps,
+    n_rows, n_cols, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_C: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_C: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0)
-    out = row * n_cols + cols
-    stats_row = stats_ptr + row * 6
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _load(x_ptr, x_stride, rows, cols, mask)
+    y = _load(y_ptr, y_stride, rows, cols, mask)
     if UPDATE:
-        r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
         x = _add_branch(x, r, scale)
         y = _add_branch(y, r, 1.0)
-        tl.store(y_out_ptr + out, y, mask=mask)
+        _store(y_out_ptr, n_cols, rows, cols, mask, y)
 
     x_hat, mean, rstd = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
-    _save_stats(stats_row, 0, mean, rstd, IS_RMS)
-    a = _affine(x_hat, wa_ptr, ba_ptr, cols, mask, HAS_BIAS)
+    _save_stats(stats_ptr, rows, row_mask, 6, 0, mean, rstd, IS_RMS)
+    a = _affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS)
     if STORE_A:
-        tl.store(a_out_ptr + out, a.to(a_out_ptr.dtype.element_ty), mask=mask)
+        _store(a_out_ptr, n_cols, rows, cols, mask, a)
 
     y_hat, mean, rstd = _normalize(y.to(tl.float32), mask, n_cols, eps, IS_RMS)
-    _save_stats(stats_row, 1, mean, rstd, IS_RMS)
-    z = a + _affine(y_hat, wb_ptr, bb_ptr, cols, mask, HAS_BIAS)
+    _save_stats(stats_ptr, rows, row_mask, 6, 1, mean, rstd, IS_RMS)
+    z = a + _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS)
 
     if HAS_C:
         z_hat, mean, rstd = _normalize(z, mask, n_cols, eps, IS_RMS)
-        _save_stats(stats_row, 2, mean, rstd, IS_RMS)
-        z = _affine(z_hat, wc_ptr, bc_ptr, cols, mask, HAS_BIAS)
-    tl.store(s_out_ptr + out, z.to(s_out_ptr.dtype.element_ty), mask=mask)
+        _save_stats(stats_ptr, rows, row_mask, 6, 2, mean, rstd, IS_RMS)
+        z = _affine(z_hat, wc_ptr, bc_ptr, cols, col_mask, HAS_BIAS)
+    _store(s_out_ptr, n_cols, rows, cols, mask, z)
 
 
 @triton.jit
-def _recompute_u(x, cols, mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: tl.constexpr,
+def _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
     """u = Npost(x) as the previous entry computed and rounded it (same fp32 math)."""
     x_hat, _, _ = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
-    return _affine(x_hat, wu_ptr, bu_ptr, cols, mask, HAS_BIAS).to(x.dtype)
+    return _affine(x_hat, wu_ptr, bu_ptr, cols, col_mask, HAS_BIAS).to(x.dtype)
 
 
 @triton.jit
@@ -148,7 +178,7 @@ def entry_bwd(
     dx_ptr, dy_ptr, dr_ptr, dw_ptr,
     n_rows, n_cols, rows_per_program, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`entry_fwd`. ``ga``/``gy``/``gs`` are the (contiguous) gradients of
     the outputs a, y_out and s; ``dw`` receives this program's partial sums for
@@ -158,10 +188,11 @@ def entry_bwd(
     of the old y and dr = dx / c + dy that of the branch output r."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    wa = tl.load(wa_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    wb = tl.load(wb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    wc = tl.load(wc_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # wa when there is no Nc
+    col_mask = cols < n_cols
+    wa = tl.load(wa_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    wb = tl.load(wb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    # wa when there is no Nc
+    wc = tl.load(wc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     acc_wa = tl.zeros([BLOCK], dtype=tl.float32)
     acc_ba = tl.zeros([BLOCK], dtype=tl.float32)
     acc_wb = tl.zeros([BLOCK], dtype=tl.float32)
@@ -171,126 +202,132 @@ def entry_bwd(
 
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
-    for row in range(start, end):
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0)
+    for first in range(start, end, ROWS):
+        rows, row_mask = _tile_rows(first, end, ROWS)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load(x_ptr, x_stride, rows, cols, mask)
+        y = _load(y_ptr, y_stride, rows, cols, mask)
         if UPDATE:
             if RECOMPUTE_U:
-                x = _recompute_u(x, cols, mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS, HAS_BIAS)
-            r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                x = _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS,
+                                 HAS_BIAS)
+            r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
             x = _add_branch(x, r, scale)
             y = _add_branch(y, r, 1.0)
-        stats_row = stats_ptr + row * 6
-        out = row * n_cols + cols
-        x_hat, rstd_a = _reload_hat(x.to(tl.float32), mask, stats_row, 0, IS_RMS)
-        y_hat, rstd_b = _reload_hat(y.to(tl.float32), mask, stats_row, 1, IS_RMS)
-        g_z = tl.load(gs_ptr + out, mask=mask, other=0.0).to(tl.float32)
+        x_hat, rstd_a = _reload_hat(x.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 0,
+                                    IS_RMS)
+        y_hat, rstd_b = _reload_hat(y.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 1,
+                                    IS_RMS)
+        g_z = _load(gs_ptr, n_cols, rows, cols, mask).to(tl.float32)
         if HAS_C:
-            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, mask, HAS_BIAS)
-                 + _affine(y_hat, wb_ptr, bb_ptr, cols, mask, HAS_BIAS))
-            z_hat, rstd_c = _reload_hat(z, mask, stats_row, 2, IS_RMS)
-            acc_wc += g_z * z_hat
-            acc_bc += g_z
+            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS)
+                 + _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS))
+            z_hat, rstd_c = _reload_hat(z, mask, stats_ptr, rows, row_mask, 6, 2, IS_RMS)
+            acc_wc += tl.sum(g_z * z_hat, axis=0)
+            acc_bc += tl.sum(g_z, axis=0)
             g_z = _input_grad(g_z * wc, z_hat, rstd_c, n_cols, IS_RMS)
         g_a = g_z
         if STORE_A:
-            g_a += tl.load(ga_ptr + out, mask=mask, other=0.0).to(tl.float32)
-        acc_wa += g_a * x_hat
-        acc_ba += g_a
-        acc_wb += g_z * y_hat
-        acc_bb += g_z
+            g_a += _load(ga_ptr, n_cols, rows, cols, mask).to(tl.float32)
+        acc_wa += tl.sum(g_a * x_hat, axis=0)
+        acc_ba += tl.sum(g_a, axis=0)
+        acc_wb += tl.sum(g_z * y_hat, axis=0)
+        acc_bb += tl.sum(g_z, axis=0)
         dx = _input_grad(g_a * wa, x_hat, rstd_a, n_cols, IS_RMS)
         dy = _input_grad(g_z * wb, y_hat, rstd_b, n_cols, IS_RMS)
         if UPDATE:
-            dy += tl.load(gy_ptr + out, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dr_ptr + out, (dx / scale + dy).to(dr_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + out, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(dy_ptr + out, dy.to(dy_ptr.dtype.element_ty), mask=mask)
+            dy += _load(gy_ptr, n_cols, rows, cols, mask).to(tl.float32)
+            _store(dr_ptr, n_cols, rows, cols, mask, dx / scale + dy)
+        _store(dx_ptr, n_cols, rows, cols, mask, dx)
+        _store(dy_ptr, n_cols, rows, cols, mask, dy)
 
     partial = dw_ptr + pid.to(tl.int64) * 6 * n_cols + cols
-    tl.store(partial + 0 * n_cols, acc_wa, mask=mask)
-    tl.store(partial + 1 * n_cols, acc_ba, mask=mask)
-    tl.store(partial + 2 * n_cols, acc_wb, mask=mask)
-    tl.store(partial + 3 * n_cols, acc_bb, mask=mask)
-    tl.store(partial + 4 * n_cols, acc_wc, mask=mask)
-    tl.store(partial + 5 * n_cols, acc_bc, mask=mask)
+    tl.store(partial + 0 * n_cols, acc_wa, mask=col_mask)
+    tl.store(partial + 1 * n_cols, acc_ba, mask=col_mask)
+    tl.store(partial + 2 * n_cols, acc_wb, mask=col_mask)
+    tl.store(partial + 3 * n_cols, acc_bb, mask=col_mask)
+    tl.store(partial + 4 * n_cols, acc_wc, mask=col_mask)
+    tl.store(partial + 5 * n_cols, acc_bc, mask=col_mask)
 
 
 @triton.jit
 def dual_update_fwd(
     u_ptr, y_ptr, r_ptr, u_stride, y_stride, r_stride, ox_ptr, oy_ptr, out_stride,
-    n_cols, scale, BLOCK: tl.constexpr,
+    n_rows, n_cols, scale, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """x = u + r / c and y = y + r, written into two strided outputs (the packed halves)."""
-    row = tl.program_id(0).to(tl.int64)
+    rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ox_ptr + row * out_stride + cols, (u + r / scale).to(ox_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(oy_ptr + row * out_stride + cols, (y + r).to(oy_ptr.dtype.element_ty), mask=mask)
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
+    u = _load(u_ptr, u_stride, rows, cols, mask).to(tl.float32)
+    y = _load(y_ptr, y_stride, rows, cols, mask).to(tl.float32)
+    _store(ox_ptr, out_stride, rows, cols, mask, u + r / scale)
+    _store(oy_ptr, out_stride, rows, cols, mask, y + r)
 
 
 @triton.jit
-def _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, row, cols, mask,
+def _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, rows, cols, mask,
                 HAS_RESIDUAL: tl.constexpr):
-    """The row a norm reads: x, or alpha x + r for a Post-Norm residual (fp32)."""
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    """The rows a norm reads: x, or alpha x + r for a Post-Norm residual (fp32)."""
+    x = _load(x_ptr, x_stride, rows, cols, mask).to(tl.float32)
     if HAS_RESIDUAL:
-        x = alpha * x + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(
-            tl.float32)
+        x = alpha * x + _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
     return x
 
 
 @triton.jit
 def norm_fwd(
-    x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, b_ptr, out_ptr, stats_ptr, n_cols, eps,
+    x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, b_ptr, out_ptr, stats_ptr, n_rows, n_cols,
+    eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """out = N(x), or N(alpha x + r) with ``HAS_RESIDUAL`` (the sum is never stored)."""
-    row = tl.program_id(0).to(tl.int64)
+    rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, row, cols, mask, HAS_RESIDUAL)
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, rows, cols, mask, HAS_RESIDUAL)
     x_hat, mean, rstd = _normalize(x, mask, n_cols, eps, IS_RMS)
-    _save_stats(stats_ptr + row * 2, 0, mean, rstd, IS_RMS)
-    out = _affine(x_hat, w_ptr, b_ptr, cols, mask, HAS_BIAS)
-    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _save_stats(stats_ptr, rows, row_mask, 2, 0, mean, rstd, IS_RMS)
+    out = _affine(x_hat, w_ptr, b_ptr, cols, col_mask, HAS_BIAS)
+    _store(out_ptr, n_cols, rows, cols, mask, out)
 
 
 @triton.jit
 def norm_bwd(
     x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, stats_ptr, g_ptr, dx_ptr, dr_ptr, dw_ptr,
     n_rows, n_cols, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`norm_fwd` (the sum recomputed from x and r); ``dw`` gets this
     program's partial (w, b) sums. With a residual, dr = dN and dx = alpha dN."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     acc_w = tl.zeros([BLOCK], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK], dtype=tl.float32)
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
-    for row in range(start, end):
-        x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, row, cols, mask, HAS_RESIDUAL)
-        x_hat, rstd = _reload_hat(x, mask, stats_ptr + row * 2, 0, IS_RMS)
-        g = tl.load(g_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        acc_w += g * x_hat
-        acc_b += g
+    for first in range(start, end, ROWS):
+        rows, row_mask = _tile_rows(first, end, ROWS)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, rows, cols, mask,
+                        HAS_RESIDUAL)
+        x_hat, rstd = _reload_hat(x, mask, stats_ptr, rows, row_mask, 2, 0, IS_RMS)
+        g = _load(g_ptr, n_cols, rows, cols, mask).to(tl.float32)
+        acc_w += tl.sum(g * x_hat, axis=0)
+        acc_b += tl.sum(g, axis=0)
         dx = _input_grad(g * w, x_hat, rstd, n_cols, IS_RMS)
         if HAS_RESIDUAL:
-            tl.store(dr_ptr + row * n_cols + cols, dx.to(dr_ptr.dtype.element_ty), mask=mask)
+            _store(dr_ptr, n_cols, rows, cols, mask, dx)
             dx = alpha * dx
-        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        _store(dx_ptr, n_cols, rows, cols, mask, dx)
     partial = dw_ptr + pid.to(tl.int64) * 2 * n_cols + cols
-    tl.store(partial, acc_w, mask=mask)
-    tl.store(partial + n_cols, acc_b, mask=mask)
+    tl.store(partial, acc_w, mask=col_mask)
+    tl.store(partial + n_cols, acc_b, mask=col_mask)
 
 
 @triton.jit

@@ -25,9 +25,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch_args(n_cols: int) -> dict:
+# Values per tile (rows x block) of the row kernels. Forward keeps one row per program from
+# hidden 2048 up, where it already runs at copy bandwidth; backward passes hold more live
+# values per row, and loop over rows, so more rows per tile give them loads in flight; the
+# entry's backward, with up to six weight-gradient accumulators, keeps to one row at 2048.
+FORWARD_TILE, NORM_BACKWARD_TILE, ENTRY_BACKWARD_TILE = 2048, 4096, 2048
+MAX_ROWS = 32
+
+
+def _launch_args(n_cols: int, tile: int = FORWARD_TILE) -> dict:
+    """BLOCK (a power of two covering the row), ROWS per tile (filling ``tile`` values) and
+    warps (one per 256 values of the tile, 1 to 8) of a row kernel: a fixed function of the
+    hidden size, so every run makes the same launches and sums in the same order."""
     block = triton.next_power_of_2(n_cols)
-    return {"BLOCK": block, "num_warps": min(max(block // 256, 1), 8)}
+    rows = min(max(tile // block, 1), MAX_ROWS)
+    return {"BLOCK": block, "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), 8)}
 
 
 @functools.cache
@@ -35,11 +47,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(n_rows: int, device: torch.device) -> int:
-    """Backward programs: a few per SM keeps every SM busy while the fp32 weight-gradient
-    partials (programs x h) stay small next to the activations."""
-    per_device = 4 * _sm_count(device.index or 0) if device.type == "cuda" else 4
-    return max(1, min(n_rows, per_device))
+def _programs(n_rows: int, device: torch.device, num_warps: int) -> int:
+    """Backward programs, each looping over a contiguous block of rows: enough to keep ~32
+    warps resident per SM (where registers allow), but at least 16 rows each on a GPU, so the
+    fp32 weight-gradient partials (programs x h each) stay small next to the rows they sum.
+    Without CUDA (the interpreter) up to 4, so tests see several partials."""
+    if device.type != "cuda":
+        return max(1, min(n_rows, 4))
+    resident = max(1, 32 // num_warps) * _sm_count(device.index or 0)
+    return max(1, min(triton.cdiv(n_rows, 16), resident))
 
 
 def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
@@ -59,11 +75,12 @@ class NormFunction(torch.autograd.Function):
         out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
         stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
         if n_rows:
-            kern.norm_fwd[(n_rows,)](
+            launch = _launch_args(n_cols)
+            kern.norm_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
                 rows, rows.stride(0), res, res.stride(0), alpha, weight,
-                weight if bias is None else bias, out, stats, n_cols, eps, IS_RMS=is_rms,
-                HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                **_launch_args(n_cols))
+                weight if bias is None else bias, out, stats, n_rows, n_cols, eps,
+                IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+                **launch)
         ctx.save_for_backward(rows, res, weight, stats)
         ctx.has_bias, ctx.is_rms = bias is not None, is_rms
         ctx.has_residual, ctx.alpha = residual is not None, alpha
@@ -76,13 +93,14 @@ class NormFunction(torch.autograd.Function):
         grad = grad.contiguous()
         dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
         dr = torch.empty_like(dx) if ctx.has_residual else dx
-        programs = _programs(n_rows, rows.device)
+        launch = _launch_args(n_cols, NORM_BACKWARD_TILE)
+        programs = _programs(n_rows, rows.device, launch["num_warps"])
         partials = torch.zeros((programs, 2, n_cols), dtype=torch.float32, device=rows.device)
         if n_rows:
             kern.norm_bwd[(programs,)](
                 rows, rows.stride(0), res, res.stride(0), ctx.alpha, weight, stats, grad, dx,
                 dr, partials, n_rows, n_cols, triton.cdiv(n_rows, programs),
-                IS_RMS=ctx.is_rms, HAS_RESIDUAL=ctx.has_residual, **_launch_args(n_cols))
+                IS_RMS=ctx.is_rms, HAS_RESIDUAL=ctx.has_residual, **launch)
         dw, db = _sum_partials(partials, [weight, weight if ctx.has_bias else None])
         dres = dr.view(grad.shape) if ctx.has_residual else None
         return dx.view(grad.shape), dres, None, dw, db, None, None
@@ -112,15 +130,15 @@ class EntryFunction(torch.autograd.Function):
         s = new(dtype=x.dtype)
         stats = torch.empty((n_rows, 6), dtype=torch.float32, device=x.device)
         if n_rows:
-            kern.entry_fwd[(n_rows,)](
+            launch = _launch_args(n_cols)
+            kern.entry_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
                 xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
                 wa, wa if ba is None else ba, wb, wb if bb is None else bb,
                 wa if wc is None else wc, wa if bc is None else bc,
                 s if a is None else a, s if y_out is None else y_out, s, stats,
-                n_cols, float(scale), eps,
+                n_rows, n_cols, float(scale), eps,
                 IS_RMS=is_rms, HAS_BIAS=ba is not None, UPDATE=update, STORE_A=store_a,
-                HAS_C=has_c,
-                **_launch_args(n_cols))
+                HAS_C=has_c, **launch)
         recompute_u = update and u_from is not None
         ctx.save_for_backward(_rows(u_from) if recompute_u else xr, yr, rr, wa, ba, wb, bb, wc,
                               bc, wu if recompute_u else None, bu if recompute_u else None,
@@ -142,7 +160,8 @@ class EntryFunction(torch.autograd.Function):
         dx = torch.empty((n_rows, n_cols), dtype=xr.dtype, device=xr.device)
         dy = torch.empty((n_rows, n_cols), dtype=yr.dtype, device=yr.device)
         dr = torch.empty_like(dx, dtype=rr.dtype) if f["update"] else dx
-        programs = _programs(n_rows, xr.device)
+        launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE)
+        programs = _programs(n_rows, xr.device, launch["num_warps"])
         partials = torch.zeros((programs, 6, n_cols), dtype=torch.float32, device=xr.device)
         if n_rows:
             kern.entry_bwd[(programs,)](
@@ -153,7 +172,7 @@ class EntryFunction(torch.autograd.Function):
                 n_rows, n_cols, triton.cdiv(n_rows, programs), f["scale"], f["eps"],
                 IS_RMS=f["is_rms"], HAS_BIAS=ba is not None, UPDATE=f["update"],
                 STORE_A=f["store_a"], HAS_C=wc is not None, RECOMPUTE_U=f["recompute_u"],
-                **_launch_args(n_cols))
+                **launch)
         weight_grads = _sum_partials(partials, [wa, ba, wb, bb, wc, bc])
         shape = grad_s.shape
         return (dx.view(shape), dy.view(shape), dr.view(shape) if f["update"] else None,
@@ -172,9 +191,10 @@ class DualUpdateFunction(torch.autograd.Function):
         ur, yr, rr = _rows(u), _rows(y), _rows(r)
         n_rows, n_cols = ur.shape
         if n_rows:
-            kern.dual_update_fwd[(n_rows,)](
+            launch = _launch_args(n_cols)
+            kern.dual_update_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
                 ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
-                n_cols, float(scale), **_launch_args(n_cols))
+                n_rows, n_cols, float(scale), **launch)
         ctx.scale, ctx.halves = float(scale), halves
         ctx.mark_dirty(out)
         return out
@@ -219,13 +239,13 @@ class QKVNormFunction(torch.autograd.Function):
         n_rows, heads, dim = rows.shape[0], ctx.heads, ctx.dim
         gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
         dmixed = torch.empty_like(rows)
-        programs = _programs(n_rows, rows.device)
+        launch = _head_launch_args(heads, dim)
+        programs = _programs(n_rows, rows.device, launch["num_warps"])
         partials = torch.zeros((programs, 6, dim), dtype=torch.float32, device=rows.device)
         if n_rows:
             kern.qkv_norm_bwd[(programs,)](
                 rows, wq, wk, wv, stats, gq, gk, gv, dmixed, partials, n_rows, heads, dim,
-                triton.cdiv(n_rows, programs), IS_RMS=ctx.is_rms,
-                **_head_launch_args(heads, dim))
+                triton.cdiv(n_rows, programs), IS_RMS=ctx.is_rms, **launch)
         bias = ctx.has_bias
         dwq, dwk, dwv, dbq, dbk, dbv = _sum_partials(
             partials, [wq, wk, wv] + ([wq, wk, wv] if bias else [None] * 3))

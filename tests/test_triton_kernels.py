@@ -32,7 +32,7 @@ from tests.helpers import tiny_model
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-SHAPES = [(1, 3), (5, 48), (3, 100), (4, 130)]  # (rows, hidden)
+SHAPES = [(1, 3), (5, 48), (3, 100), (4, 130), (41, 130)]  # (rows, hidden)
 KINDS = ["RMSNorm", "LayerNorm", "LayerNorm-nobias"]  # megatron's names; model.norm_bias
 DTYPES = [torch.float32, torch.bfloat16]
 TRITON, TORCH = NormBackend.TRITON, NormBackend.TORCH
