@@ -66,7 +66,6 @@ def layer_bytes(args, scheme: str) -> dict:
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
     from pretrain.dry_run import Fusions, estimated_layer_bytes
-
     from runtime import device
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -88,8 +87,8 @@ def layer_bytes(args, scheme: str) -> dict:
 
 
 def main(argv=None) -> None:
-    from runtime import cpu_compat, parallel
     from model.config import ParallelConfig
+    from runtime import cpu_compat, parallel
 
     args = parse_args(argv)
     with cpu_compat.enabled():
