@@ -17,15 +17,15 @@ point of fusing is to read each input row once and write each output row once:
 - ``dual_update``: the layer's last update, written straight into the two halves of the packed
   tensor that layers exchange.
 - ``qkv_norm``: the per-head Q, K and V norms of QKV-norm attention (siamese_hybrid,
-  hybridnorm) read straight from the packed projection, one (token, K/V group) row of
-  ``heads + 2`` heads per program, written as contiguous Q, K and V.
+  hybridnorm) read straight from the packed projection, ``ROWS`` (token, K/V group) rows of
+  ``heads + 2`` heads per tile, written as contiguous Q, K and V.
 - ``norm``: a plain RMSNorm / LayerNorm, or with ``HAS_RESIDUAL`` a Post-Norm sublayer's
   ``N(alpha h + r)`` in one pass (the sum is recomputed in backward, never stored).
 
 ``HAS_BIAS``: the norms' LayerNorm bias (``model.norm_bias``); RMSNorm never has one. Bias
 gradients are accumulated either way and dropped by the caller when there is no bias.
 
-The row kernels (all but ``qkv_norm``) work on tiles of ``ROWS`` rows x ``BLOCK`` columns:
+The row kernels work on tiles of ``ROWS`` rows x ``BLOCK`` columns (``qkv_norm``: heads):
 several rows per tile give a program more independent loads in flight (small hidden sizes,
 and the backward passes, which are otherwise latency-bound). Forward kernels run one program
 per tile and save each norm's mean and rstd (fp32) for the backward. Backward kernels run a
@@ -331,21 +331,26 @@ def norm_bwd(
 
 
 @triton.jit
-def _head_tile(mixed_ptr, row, heads, head_dim, HEADS: tl.constexpr, DIM: tl.constexpr):
-    """One (token, K/V group) row of the packed Q/K/V projection as a [HEADS, DIM] fp32 tile:
-    the group's query heads, then its key head, then its value head."""
-    j = tl.arange(0, HEADS)[:, None]
+def _head_tile(mixed_ptr, first, end, heads, head_dim, ROWS: tl.constexpr, HEADS: tl.constexpr,
+               DIM: tl.constexpr):
+    """``ROWS`` (token, K/V group) rows of the packed Q/K/V projection from row ``first`` as a
+    [ROWS x HEADS, DIM] fp32 tile, one head per tile row: each row's query heads, then its
+    key head, then its value head (HEADS >= heads + 2; the rest masked). Returns the tile,
+    each tile row's (token, group) row and head index j, the columns c and the mask."""
+    t = tl.arange(0, ROWS * HEADS)
+    row = (first + t // HEADS)[:, None]
+    j = (t % HEADS)[:, None]
     c = tl.arange(0, DIM)[None, :]
-    mask = (j < heads + 2) & (c < head_dim)
+    mask = (row < end) & (j < heads + 2) & (c < head_dim)
     x = tl.load(mixed_ptr + row * (heads + 2) * head_dim + j * head_dim + c, mask=mask,
                 other=0.0).to(tl.float32)
-    return x, j, c, mask
+    return x, row, j, c, mask
 
 
 @triton.jit
 def _head_weights(q_ptr, k_ptr, v_ptr, j, c, heads, head_dim):
-    """[HEADS, DIM] tile of the norm weight (or bias) each head row uses: Q's for the query
-    heads, K's for the key head, V's for the value head."""
+    """Tile of the norm weight (or bias) each head row uses: Q's for the query heads, K's for
+    the key head, V's for the value head."""
     cm = c < head_dim
     wq = tl.load(q_ptr + c, mask=cm, other=0.0).to(tl.float32)
     wk = tl.load(k_ptr + c, mask=cm, other=0.0).to(tl.float32)
@@ -356,13 +361,15 @@ def _head_weights(q_ptr, k_ptr, v_ptr, j, c, heads, head_dim):
 @triton.jit
 def qkv_norm_fwd(
     mixed_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, q_ptr, k_ptr, v_ptr, stats_ptr,
-    heads, head_dim, eps,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+    n_rows, heads, head_dim, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
+    DIM: tl.constexpr,
 ):
-    """Per-head norms of one (token, group) row of the packed projection, written as
+    """Per-head norms of ``ROWS`` (token, group) rows of the packed projection, written as
     contiguous Q [.., heads, dim], K and V [.., dim]; per-head (mean, rstd) saved."""
-    row = tl.program_id(0).to(tl.int64)
-    x, j, c, mask = _head_tile(mixed_ptr, row, heads, head_dim, HEADS, DIM)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    x, row, j, c, mask = _head_tile(mixed_ptr, first, n_rows, heads, head_dim, ROWS, HEADS,
+                                    DIM)
     mean = tl.sum(x, axis=1) / head_dim
     if IS_RMS:
         centered = x
@@ -373,17 +380,17 @@ def qkv_norm_fwd(
                                                    head_dim)
     if HAS_BIAS:
         out += _head_weights(bq_ptr, bk_ptr, bv_ptr, j, c, heads, head_dim)
-    rows = tl.arange(0, HEADS)
-    stats = stats_ptr + row * (heads + 2) * 2 + rows * 2
+    head_row = (row < n_rows) & (j < heads + 2)  # [ROWS x HEADS, 1]
+    stats = stats_ptr + (row * (heads + 2) + j) * 2
     if not IS_RMS:
-        tl.store(stats, mean, mask=rows < heads + 2)
-    tl.store(stats + 1, rstd, mask=rows < heads + 2)
-    in_dim = c < head_dim
+        tl.store(stats, mean[:, None], mask=head_row)
+    tl.store(stats + 1, rstd[:, None], mask=head_row)
+    in_dim = (row < n_rows) & (c < head_dim)
     tl.store(q_ptr + (row * heads + j) * head_dim + c, out.to(q_ptr.dtype.element_ty),
              mask=(j < heads) & in_dim)
-    tl.store(k_ptr + row * head_dim + c + 0 * j, out.to(k_ptr.dtype.element_ty),
+    tl.store(k_ptr + row * head_dim + c, out.to(k_ptr.dtype.element_ty),
              mask=(j == heads) & in_dim)
-    tl.store(v_ptr + row * head_dim + c + 0 * j, out.to(v_ptr.dtype.element_ty),
+    tl.store(v_ptr + row * head_dim + c, out.to(v_ptr.dtype.element_ty),
              mask=(j == heads + 1) & in_dim)
 
 
@@ -391,34 +398,34 @@ def qkv_norm_fwd(
 def qkv_norm_bwd(
     mixed_ptr, wq_ptr, wk_ptr, wv_ptr, stats_ptr, gq_ptr, gk_ptr, gv_ptr, dmixed_ptr, dw_ptr,
     n_rows, heads, head_dim, rows_per_program,
-    IS_RMS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+    IS_RMS: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
 ):
     """Gradients of :func:`qkv_norm_fwd`: the packed projection's, and this program's partial
     sums of the six weight/bias gradients (rows wq, wk, wv, bq, bk, bv of ``dw``)."""
     pid = tl.program_id(0)
-    j0 = tl.arange(0, HEADS)[:, None]
+    j0 = (tl.arange(0, ROWS * HEADS) % HEADS)[:, None]
     c0 = tl.arange(0, DIM)[None, :]
     w = _head_weights(wq_ptr, wk_ptr, wv_ptr, j0, c0, heads, head_dim)
-    acc_w = tl.zeros([HEADS, DIM], dtype=tl.float32)
-    acc_b = tl.zeros([HEADS, DIM], dtype=tl.float32)
+    acc_w = tl.zeros([ROWS * HEADS, DIM], dtype=tl.float32)
+    acc_b = tl.zeros([ROWS * HEADS, DIM], dtype=tl.float32)
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
-    for row in range(start, end):
-        x, j, c, mask = _head_tile(mixed_ptr, row, heads, head_dim, HEADS, DIM)
-        stats = stats_ptr + row * (heads + 2) * 2 + tl.arange(0, HEADS) * 2
-        valid = tl.arange(0, HEADS) < heads + 2
-        rstd = tl.load(stats + 1, mask=valid, other=0.0)[:, None]
+    for first in range(start, end, ROWS):
+        x, row, j, c, mask = _head_tile(mixed_ptr, first, end, heads, head_dim, ROWS, HEADS,
+                                        DIM)
+        head_row = (row < end) & (j < heads + 2)
+        stats = stats_ptr + (row * (heads + 2) + j) * 2
+        rstd = tl.load(stats + 1, mask=head_row, other=0.0)
         if IS_RMS:
             x_hat = x * rstd
         else:
-            mean = tl.load(stats, mask=valid, other=0.0)[:, None]
-            x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
-        in_dim = c < head_dim
+            x_hat = tl.where(mask, (x - tl.load(stats, mask=head_row, other=0.0)) * rstd, 0.0)
+        in_dim = (row < end) & (c < head_dim)
         g = tl.load(gq_ptr + (row * heads + j) * head_dim + c, mask=(j < heads) & in_dim,
                     other=0.0).to(tl.float32)
-        g += tl.load(gk_ptr + row * head_dim + c + 0 * j, mask=(j == heads) & in_dim,
+        g += tl.load(gk_ptr + row * head_dim + c, mask=(j == heads) & in_dim,
                      other=0.0).to(tl.float32)
-        g += tl.load(gv_ptr + row * head_dim + c + 0 * j, mask=(j == heads + 1) & in_dim,
+        g += tl.load(gv_ptr + row * head_dim + c, mask=(j == heads + 1) & in_dim,
                      other=0.0).to(tl.float32)
         acc_w += g * x_hat
         acc_b += g
@@ -431,9 +438,8 @@ def qkv_norm_bwd(
         tl.store(dmixed_ptr + row * (heads + 2) * head_dim + j * head_dim + c,
                  dx.to(dmixed_ptr.dtype.element_ty), mask=mask)
     partial = dw_ptr + pid.to(tl.int64) * 6 * head_dim + tl.arange(0, DIM)
-    rows = tl.arange(0, HEADS)[:, None]
     cm = tl.arange(0, DIM) < head_dim
-    is_q, is_k, is_v = rows < heads, rows == heads, rows == heads + 1
+    is_q, is_k, is_v = j0 < heads, j0 == heads, j0 == heads + 1
     tl.store(partial, tl.sum(tl.where(is_q, acc_w, 0.0), axis=0), mask=cm)
     tl.store(partial + head_dim, tl.sum(tl.where(is_k, acc_w, 0.0), axis=0), mask=cm)
     tl.store(partial + 2 * head_dim, tl.sum(tl.where(is_v, acc_w, 0.0), axis=0), mask=cm)

@@ -224,10 +224,11 @@ class QKVNormFunction(torch.autograd.Function):
         stats = torch.empty((n_rows, heads + 2, 2), dtype=torch.float32, device=mixed.device)
         has_bias = bq is not None
         if n_rows:
-            kern.qkv_norm_fwd[(n_rows,)](
+            launch = _head_launch_args(heads, dim)
+            kern.qkv_norm_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
                 rows, wq, wk, wv, bq if has_bias else wq, bk if has_bias else wk,
-                bv if has_bias else wv, q, k, v, stats, heads, dim, eps, IS_RMS=is_rms,
-                HAS_BIAS=has_bias, **_head_launch_args(heads, dim))
+                bv if has_bias else wv, q, k, v, stats, n_rows, heads, dim, eps,
+                IS_RMS=is_rms, HAS_BIAS=has_bias, **launch)
         ctx.save_for_backward(rows, wq, wk, wv, stats)
         ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias = heads, dim, is_rms, has_bias
         ctx.mixed_shape = mixed.shape
@@ -253,10 +254,13 @@ class QKVNormFunction(torch.autograd.Function):
                 dwq, dbq, dwk, dbk, dwv, dbv)
 
 
-def _head_launch_args(heads: int, dim: int) -> dict:
-    tile = triton.next_power_of_2(heads + 2) * triton.next_power_of_2(dim)
+def _head_launch_args(heads: int, dim: int, tile: int = FORWARD_TILE) -> dict:
+    """HEADS (>= heads + 2) and DIM (>= head_dim) powers of two, ROWS of them per tile
+    (filling ``tile`` values) and warps (one per 256 values, 1 to 8) of a QKV-norm kernel."""
+    block = triton.next_power_of_2(heads + 2) * triton.next_power_of_2(dim)
+    rows = min(max(tile // block, 1), MAX_ROWS)
     return {"HEADS": triton.next_power_of_2(heads + 2), "DIM": triton.next_power_of_2(dim),
-            "num_warps": min(max(tile // 256, 1), 8)}
+            "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), 8)}
 
 
 def qkv_norm(mixed: torch.Tensor, heads: int, dim: int, eps: float, is_rms: bool,

@@ -143,8 +143,10 @@ def qkv_heads(tensors, norms, heads: int, dim: int):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
+# (20, 2, 6, 64): 4-row tiles, several per backward program
 @pytest.mark.parametrize("tokens,groups,heads,dim", [(1, 1, 1, 8), (5, 2, 2, 12),
-                                                     (3, 3, 4, 16), (4, 1, 6, 10)])
+                                                     (3, 3, 4, 16), (4, 1, 6, 10),
+                                                     (20, 2, 6, 64)])
 def test_qkv_head_norms_from_the_packed_projection(tokens, groups, heads, dim, kind, dtype):
     [mixed] = inputs((tokens, 1, groups, (heads + 2) * dim), dtype, 1)
 
