@@ -1,7 +1,9 @@
-"""Helpers the benchmarks share: package versions, a fixed random batch, markdown tables."""
+"""Helpers the benchmarks share: package versions, a fixed random batch, integer lists on the
+command line, markdown tables."""
 
 from __future__ import annotations
 
+import argparse
 from importlib import metadata
 
 import torch
@@ -35,6 +37,15 @@ def random_batch(vocab: int, batch: int, seq: int, device: str | torch.device = 
         "position_ids": torch.arange(seq).unsqueeze(0).expand(batch, -1),
     }
     return {k: v.contiguous().to(device) for k, v in out.items()}
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated integers."""
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
 
 
 def markdown_table(header: list[str], rows: list[list[str]], right_from: int = 1) -> str:

@@ -17,12 +17,17 @@ outputs written (for forward+backward also the output gradients read and the inp
 written); norm weights are left out (a few KB). It is given next to a device-to-device copy
 measured in the same run, the practical ceiling for ops like these.
 
+``--backward-tiles 2048,4096,8192`` adds the Triton ops once more per value, with every
+backward kernel's tile (rows x block values, ``kernels.triton_ops``) set to it: the table to
+choose those constants from on a new GPU or hidden size.
+
 Without CUDA it prints one line and exits 0, so it can sit in scripts run anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from collections.abc import Callable
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import markdown_table, versions_line
+from bench.common import int_list, markdown_table, versions_line
 
 SEQ = 4096
 
@@ -199,6 +204,23 @@ def plain_norm_alternatives(norm: str, hidden: int) -> dict[str, Callable[[], to
     return found
 
 
+@contextlib.contextmanager
+def backward_tile(tile: int | None):
+    """Every Triton backward kernel launched with ``tile`` values per tile (None: as built)."""
+    from kernels import triton_ops
+
+    names = ("NORM_BACKWARD_TILE", "ENTRY_BACKWARD_TILE", "QKV_BACKWARD_TILE")
+    saved = {n: getattr(triton_ops, n) for n in names}
+    if tile is not None:
+        for name in names:
+            setattr(triton_ops, name, tile)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(triton_ops, name, value)
+
+
 def measure(args) -> tuple[list[dict], float]:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -218,17 +240,23 @@ def measure(args) -> tuple[list[dict], float]:
                 continue  # no norm in this op: TE has nothing to run
             call = op_call(op, backend)
             cases.append((impl, op_module(op, backend, config, args.hidden),
-                          torch.compile(call) if compiled else call))
+                          torch.compile(call) if compiled else call, None))
+            if backend is NormBackend.TRITON:
+                cases += [(f"triton, backward tile {tile}", cases[-1][1], call, tile)
+                          for tile in args.backward_tiles]
         if op is OPS[0]:
-            cases += [(impl, build(), op_call(op, None))
+            cases += [(impl, build(), op_call(op, None), None)
                       for impl, build in plain_norm_alternatives(args.norm, args.hidden).items()]
-        for impl, module, call in cases:
+        for impl, module, call, tile in cases:
             tensors = op_inputs(op, tokens, args.hidden, torch.bfloat16)
             for pass_name, fn in passes(call, tensors, module).items():
+                if tile is not None and pass_name == "fwd":
+                    continue  # the tile is the backward's
                 row = {"op": op.name, "impl": impl, "pass": pass_name, "ms": None,
                        "bytes": op.tensors_moved(pass_name != "fwd") * tokens * args.hidden * 2}
                 try:
-                    row["ms"] = time_ms(fn, args.rounds)
+                    with backward_tile(tile):
+                        row["ms"] = time_ms(fn, args.rounds)
                 except Exception as err:  # e.g. torch.compile unavailable: report, go on
                     row["error"] = type(err).__name__
                 results.append(row)
@@ -266,6 +294,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--norm", choices=["rmsnorm", "layernorm"], default="rmsnorm")
     parser.add_argument("--rounds", type=int, default=3,
                         help="do_bench medians to take the median of")
+    parser.add_argument("--backward-tiles", type=int_list, default=[],
+                        help="comma-separated backward tiles (values) to time the Triton ops at")
     return parser.parse_args(argv)
 
 

@@ -29,7 +29,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # hidden 2048 up, where it already runs at copy bandwidth; backward passes hold more live
 # values per row, and loop over rows, so more rows per tile give them loads in flight; the
 # entry's backward, with up to six weight-gradient accumulators, keeps to one row at 2048.
-FORWARD_TILE, NORM_BACKWARD_TILE, ENTRY_BACKWARD_TILE = 2048, 4096, 2048
+# ``bench.fused_norms --backward-tiles`` times other backward tiles on a GPU.
+FORWARD_TILE, NORM_BACKWARD_TILE, ENTRY_BACKWARD_TILE, QKV_BACKWARD_TILE = 2048, 4096, 2048, 2048
 MAX_ROWS = 32
 
 
@@ -240,7 +241,7 @@ class QKVNormFunction(torch.autograd.Function):
         n_rows, heads, dim = rows.shape[0], ctx.heads, ctx.dim
         gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
         dmixed = torch.empty_like(rows)
-        launch = _head_launch_args(heads, dim)
+        launch = _head_launch_args(heads, dim, QKV_BACKWARD_TILE)
         programs = _programs(n_rows, rows.device, launch["num_warps"])
         partials = torch.zeros((programs, 6, dim), dtype=torch.float32, device=rows.device)
         if n_rows:
