@@ -22,6 +22,7 @@ bench: setup
 gpu-check: setup
 	$(PY) -m pytest -q -m gpu -rs
 	$(PY) -m bench.fused_norms
+	$(PY) -m bench.saved_activations
 	$(PY) -m bench.gpu_step
 
 # On a GPU node only: Transformer Engine built against the venv's CUDA torch.
