@@ -1,11 +1,12 @@
 """GPU training-step time, throughput, MFU and activation memory of the residual schemes at
 the 1.3B shape, each as a ratio to pre at the same micro-batch.
 
-One GPU, bf16, no recompute, flash attention (Transformer Engine's when installed, else torch
-SDPA: ``model.attention_backend = auto``). A *step* is one forward+backward through megatron's
-schedule plus the AdamW step of megatron's optimizer, as in training. Both phases are timed on
-the GPU with CUDA events (one synchronisation per step, at its end), so the optimizer's share
-is reported on its own. Each (scheme, micro-batch) runs in its own process, because several
+One GPU, bf16, flash attention (Transformer Engine's when installed, else torch SDPA:
+``model.attention_backend = auto``), no recompute unless ``--recomputes`` adds settings. A
+*step* is one forward+backward through megatron's schedule plus the AdamW step of megatron's
+optimizer, as in training. Both phases are timed on the GPU with CUDA events (one
+synchronisation per step, at its end), so the optimizer's share is reported on its own. Each
+(scheme, micro-batch, recompute) runs in its own process, because several
 1.3B models with optimizer state do not fit on one GPU together and a fresh allocator keeps
 the memory figures independent; ``--rounds`` cycles through all of them again and medians are
 taken over every round. Activation memory is the peak allocated during forward+backward minus
@@ -14,6 +15,7 @@ what was allocated just before it (bf16 weights, fp32 gradient buffers, optimize
     python -m bench.gpu_step [--layers 16 --micro-batches 2,4 --steps 10 --rounds 3]
     python -m bench.gpu_step --unfused-optimizer   # megatron's torch fallback (optim.fused off)
     python -m bench.gpu_step --deterministic      # the cost of run.deterministic
+    python -m bench.gpu_step --micro-batches 4,8 --recomputes none,full   # the best setting
 
 If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line.
 """
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown_table, random_batch, versions_line
+from bench.common import int_list, markdown_table, random_batch, versions_line
 
 SCHEMES = ("pre", "siamese", "siamese_hybrid")
 TARGETS = ("targets: pre >= 65k tokens/s and >= 53% MFU; step / pre: siamese <= 1.02, "
@@ -48,8 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8, help="K/V heads (grouped-query attention)")
     p.add_argument("--ffn", type=int, default=8192, help="SwiGLU width")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--micro-batches", default="2,4",
+    p.add_argument("--micro-batches", type=int_list, default=[2, 4],
                    help="comma-separated micro-batch sizes to sweep")
+    p.add_argument("--recomputes", default="none",
+                   help="comma-separated parallel.recompute values to sweep (none, selective, "
+                        "full): with the micro-batches, the settings the best pre is chosen from")
+    p.add_argument("--recompute", default="none", help=argparse.SUPPRESS)  # the worker's
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=10, help="timed steps per scheme and round")
     p.add_argument("--warmup", type=int, default=3)
@@ -72,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    allowed = ("none", "selective", "full")
+    for value in args.recomputes.split(","):
+        if value not in allowed:
+            p.error(f"--recomputes: {value!r} is not one of {', '.join(allowed)}")
     if args.warmup < 1 and not args.no_optimizer:
         p.error("--warmup must be >= 1: the first step allocates the optimizer state")
     return args
@@ -92,7 +102,7 @@ def build(args, scheme: str):
         ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_length=args.seq,
         attention_backend=args.attention_backend, transformer_impl=args.transformer_impl,
     )
-    config = Config(model=model_cfg, parallel=ParallelConfig(recompute="none"),
+    config = Config(model=model_cfg, parallel=ParallelConfig(recompute=args.recompute),
                     # a non-zero LR from the first step
                     optim=OptimConfig(warmup_steps=0, fused=not args.unfused_optimizer),
                     data=DataConfig(micro_batch_size=args.micro_batch,
@@ -161,19 +171,21 @@ def measure(args, scheme: str) -> dict:
     }
 
 
-def run_worker(scheme: str, micro_batch: int, impl: str, forwarded: list[str]) -> dict | None:
-    """Measure one scheme at one micro-batch with one linear-layer implementation in a fresh
-    process; None (after printing why) if it failed."""
+def run_worker(scheme: str, micro_batch: int, impl: str, recompute: str,
+               forwarded: list[str]) -> dict | None:
+    """Measure one scheme at one micro-batch with one linear-layer implementation and one
+    recompute setting in a fresh process; None (after printing why) if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         proc = subprocess.run(
             [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
              "--micro-batch", str(micro_batch), "--transformer-impl", impl,
-             "--result", str(result)],
+             "--recompute", recompute, "--result", str(result)],
             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            print(f"{scheme} at micro-batch {micro_batch}, linears {impl}: failed (exit "
+            print(f"{scheme} at micro-batch {micro_batch}, linears {impl}, recompute "
+                  f"{recompute}: failed (exit "
                   f"{proc.returncode}); if "
                   f"out of memory, lower --layers or --micro-batches\n{tail}\n",
                   file=sys.stderr)
@@ -192,7 +204,9 @@ def summarise(r: dict) -> dict:
             "activation": r["activation_bytes"]}
 
 
-def report(args, results: dict[tuple[str, int, str], dict]) -> None:
+def report(args, results: dict[tuple[str, int, str, str], dict]) -> None:
+    """The table, one row per (scheme, micro-batch, linears, recompute), then the best pre
+    setting."""
     first = next(iter(results.values()))
     kv = args.kv_heads or args.heads
     step_kind = "fwd+bwd only" if args.no_optimizer else "fwd+bwd + AdamW step"
@@ -202,38 +216,42 @@ def report(args, results: dict[tuple[str, int, str], dict]) -> None:
     print(f"shape: {args.layers} layers x {args.hidden} hidden, {args.heads} heads / {kv} KV, "
           f"SwiGLU {args.ffn}, seq {args.seq}, vocab {args.vocab}; bf16; attention "
           f"{first['attention']}, norms {first['norms']}; "
-          f"optimizer {optimizer}; recompute none"
+          f"optimizer {optimizer}"
           + ("; deterministic kernels (run.deterministic)" if args.deterministic else ""))
     print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
           f"process per scheme and micro-batch; step = {step_kind}, GPU time by CUDA events; "
           "tokens/s, TFLOP/s and MFU from the step time; FLOPs/token by Megatron-LM's formula "
           "(pretrain/throughput.py); activation = peak allocated in fwd+bwd minus weights, "
-          "grads, optimizer state; ratios against pre at the same micro-batch and linears")
+          "grads, optimizer state; ratios against pre at the same micro-batch, linears and "
+          "recompute")
     print(f"{TARGETS}\n")
     stats = {key: summarise(r) for key, r in results.items()}
 
-    def ratio(key: tuple[str, int, str], field: str) -> str:
-        base = stats.get(("pre", key[1], key[2]))
+    def ratio(key: tuple[str, int, str, str], field: str) -> str:
+        base = stats.get(("pre", *key[1:]))
         return f"{stats[key][field] / base[field]:.3f}" if base else "n/a"
 
     rows = [[
-        scheme, str(mb), results[key]["linears"], f"{results[key]['parameters']:,}",
+        scheme, str(mb), results[key]["linears"], recompute,
+        f"{results[key]['parameters']:,}",
         f"{1e3 * s['fwd_bwd']:.1f}", f"{1e3 * s['optimizer']:.1f}", f"{1e3 * s['step']:.1f}",
         ratio(key, "step"), f"{s['tokens']:,.0f}", f"{s['tflops']:.1f}",
         f"{s['mfu']:.1%}" if s["mfu"] is not None else "n/a",
         f"{s['activation'] / 2**30:.2f}", ratio(key, "activation"),
         f"{results[key]['first_loss']:.3f}",
-    ] for key, s in stats.items() for scheme, mb, _ in [key]]
+    ] for key, s in stats.items() for scheme, mb, _, recompute in [key]]
     print(markdown_table(
-        ["scheme", "micro-batch", "linears", "parameters", "fwd+bwd ms", "optimizer ms",
+        ["scheme", "micro-batch", "linears", "recompute", "parameters", "fwd+bwd ms",
+         "optimizer ms",
          "step ms", "step / pre", "tokens/s", "TFLOP/s", "MFU", "activation GiB",
          "activation / pre", "first loss"], rows))
-    pre = {(mb, impl): s for (scheme, mb, impl), s in stats.items() if scheme == "pre"}
+    pre = {key[1:]: s for key, s in stats.items() if key[0] == "pre"}
     if pre:
-        mb, impl = max(pre, key=lambda k: pre[k]["tokens"])
-        linears = results[("pre", mb, impl)]["linears"]
-        print(f"\nbest pre setting: micro-batch {mb}, linears {linears} "
-              f"({pre[(mb, impl)]['tokens']:,.0f} tokens/s)")
+        best = max(pre, key=lambda k: pre[k]["tokens"])
+        mb, _, recompute = best
+        linears = results[("pre", *best)]["linears"]
+        print(f"\nbest pre setting: micro-batch {mb}, linears {linears}, recompute {recompute} "
+              f"({pre[best]['tokens']:,.0f} tokens/s)")
 
 
 def main(argv=None) -> int:
@@ -245,18 +263,19 @@ def main(argv=None) -> int:
         Path(args.result).write_text(json.dumps(measure(args, args.worker)))
         return 0
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    results: dict[tuple[str, int, str], dict] = {}
+    results: dict[tuple[str, int, str, str], dict] = {}
     failed = False
-    settings = [(int(mb), impl) for mb in args.micro_batches.split(",")
-                for impl in args.transformer_impls.split(",")]
+    settings = [(mb, impl, recompute) for mb in args.micro_batches
+                for impl in args.transformer_impls.split(",")
+                for recompute in args.recomputes.split(",")]
     for _ in range(args.rounds):
-        for micro_batch, impl in settings:
+        for micro_batch, impl, recompute in settings:
             for scheme in args.schemes.split(","):
-                r = run_worker(scheme, micro_batch, impl, forwarded)
+                r = run_worker(scheme, micro_batch, impl, recompute, forwarded)
                 if r is None:
                     failed = True
                     continue
-                key = (scheme, micro_batch, impl)
+                key = (scheme, micro_batch, impl, recompute)
                 if key in results:  # another round: pool the samples
                     for field in ("fwd_bwd_s", "optimizer_s", "step_s"):
                         results[key][field] += r[field]

@@ -1,6 +1,8 @@
 """``bench.gpu_step`` prints its table from the workers' results (checked with made-up
 timings here; the numbers themselves need a GPU)."""
 
+import pytest
+
 from bench import gpu_step
 
 
@@ -15,15 +17,37 @@ def fake(scheme: str, micro_batch: int, step_ms: float) -> dict:
 
 def test_the_table_has_a_row_per_scheme_and_micro_batch(capsys):
     args = gpu_step.parse_args(["--micro-batches", "2,4"])
-    results = {("pre", 2, "auto"): fake("pre", 2, 100.0),
-               ("siamese", 2, "auto"): fake("siamese", 2, 102.0),
-               ("pre", 4, "auto"): fake("pre", 4, 180.0),
-               ("siamese", 4, "auto"): fake("siamese", 4, 185.4)}
+    results = {("pre", 2, "auto", "none"): fake("pre", 2, 100.0),
+               ("siamese", 2, "auto", "none"): fake("siamese", 2, 102.0),
+               ("pre", 4, "auto", "none"): fake("pre", 4, 180.0),
+               ("siamese", 4, "auto", "none"): fake("siamese", 4, 185.4)}
     gpu_step.report(args, results)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| pre") or
             line.startswith("| siamese")]
     assert len(rows) == 4
-    assert "| siamese | 4 | local |" in out and "| 1.030 |" in out  # 185.4 / 180 at mb 4
+    assert "| siamese | 4 | local | none |" in out and "| 1.030 |" in out  # 185.4 / 180
     assert "| 20.0 |" in out  # the optimizer's share of pre's 100 ms step at micro-batch 2
-    assert "best pre setting: micro-batch 4, linears local (91,022 tokens/s)" in out
+    assert ("best pre setting: micro-batch 4, linears local, recompute none (91,022 tokens/s)"
+            in out)
+
+
+def test_recompute_is_a_setting_of_its_own(capsys):
+    """Ratios compare within one recompute setting; the best pre setting can be a recomputed
+    one when it allows a larger micro-batch."""
+    args = gpu_step.parse_args(["--micro-batches", "4,8", "--recomputes", "none,full"])
+    results = {("pre", 4, "auto", "none"): fake("pre", 4, 180.0),
+               ("siamese", 4, "auto", "none"): fake("siamese", 4, 190.0),
+               ("pre", 8, "auto", "full"): fake("pre", 8, 340.0),
+               ("siamese", 8, "auto", "full"): fake("siamese", 8, 357.0)}
+    gpu_step.report(args, results)
+    out = capsys.readouterr().out
+    assert "| siamese | 8 | local | full |" in out and "| 1.050 |" in out  # 357 / 340
+    assert "best pre setting: micro-batch 8, linears local, recompute full" in out
+
+
+def test_an_unknown_recompute_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_step.parse_args(["--recomputes", "none,partial"])
+    assert exit_info.value.code == 2
+    assert "--recomputes: 'partial' is not one of none, selective, full" in capsys.readouterr().err
