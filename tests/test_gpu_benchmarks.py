@@ -24,16 +24,24 @@ def run(module: str, *args: str) -> str:
 def test_fused_norms_prints_every_op_and_implementation():
     from bench.fused_norms import OPS
 
-    out = run("bench.fused_norms", "--batch", "1", "--hidden", "256", "--rounds", "1")
+    out = run("bench.fused_norms", "--batch", "1", "--hidden", "256", "--rounds", "1",
+              "--backward-tiles", "1024")
     for op in OPS:
         assert op.name in out
     assert "torch F.rms_norm" in out and "failed" not in out
+    assert "triton, backward tile 1024" in out
 
 
 def test_gpu_step_sweeps_and_reports():
     out = run("bench.gpu_step", "--layers", "1", "--hidden", "256", "--heads", "4",
               "--kv-heads", "2", "--ffn", "512", "--seq", "128", "--vocab", "512",
-              "--micro-batches", "1,2", "--rounds", "1", "--steps", "2", "--warmup", "1",
-              "--schemes", "pre,siamese_hybrid")
+              "--micro-batches", "1,2", "--recomputes", "none,full", "--rounds", "1",
+              "--steps", "2", "--warmup", "1", "--schemes", "pre,siamese_hybrid")
     rows = [line for line in out.splitlines() if line.startswith(("| pre", "| siamese"))]
-    assert len(rows) == 4 and "best pre setting" in out
+    assert len(rows) == 8 and "best pre setting" in out
+
+
+def test_saved_activations_on_the_gpu_path():
+    out = run("bench.saved_activations", "--schemes", "pre,siamese")
+    rows = [line for line in out.splitlines() if line.startswith(("| pre", "| siamese"))]
+    assert len(rows) == 2
