@@ -16,6 +16,7 @@ what was allocated just before it (bf16 weights, fp32 gradient buffers, optimize
     python -m bench.gpu_step --unfused-optimizer   # megatron's torch fallback (optim.fused off)
     python -m bench.gpu_step --deterministic      # the cost of run.deterministic
     python -m bench.gpu_step --micro-batches 4,8 --recomputes none,full   # the best setting
+    python -m bench.gpu_step --micro-batches 4 --profile 3   # + GPU kernels side by side
 
 If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line.
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from bench import step_profile
 from bench.common import int_list, markdown_table, random_batch, versions_line
 
 SCHEMES = ("pre", "siamese", "siamese_hybrid")
@@ -73,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--unfused-optimizer", action="store_true",
                    help="optim.fused = false: megatron's own torch fallback (no TE/apex)")
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)  # internal: the worker's
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed steps, profile this many more per setting and print "
+                        "the GPU kernels side by side (bench.step_profile)")
     p.add_argument("--deterministic", action="store_true",
                    help="bit-reproducible kernels, as run.deterministic (runtime.device)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
@@ -132,6 +137,14 @@ def measure(args, scheme: str) -> dict:
     parallel.initialize(ParallelConfig())
     chunks, optimizer, config = build(args, scheme)
     batch = random_batch(args.vocab, args.micro_batch, args.seq, device.compute_device())
+
+    def step() -> None:
+        if optimizer is not None:
+            optimizer.zero_grad()
+        forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)
+        if optimizer is not None:
+            optimizer.step()
+
     fwd_bwd, optim, activation, losses = [], [], 0, []
     for index in range(args.warmup + args.steps):
         if optimizer is not None:
@@ -155,6 +168,7 @@ def measure(args, scheme: str) -> dict:
     losses = [float(loss) for loss in losses]
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: non-finite loss {losses}")
+    profile = step_profile.kernel_times(step, args.profile) if args.profile else None
     parameters = count_parameters(chunks)
     throughput = Throughput(config)
     parallel.destroy()
@@ -167,7 +181,7 @@ def measure(args, scheme: str) -> dict:
         "device": device.device_name(),
         "attention": str(resolve_attention_backend(config.model.attention_backend)),
         "linears": str(resolve_transformer_impl(config.model.transformer_impl)),
-        "norms": str(resolve(args.norm_backend)),
+        "norms": str(resolve(args.norm_backend)), "profile": profile,
     }
 
 
@@ -252,6 +266,14 @@ def report(args, results: dict[tuple[str, int, str, str], dict]) -> None:
         linears = results[("pre", *best)]["linears"]
         print(f"\nbest pre setting: micro-batch {mb}, linears {linears}, recompute {recompute} "
               f"({pre[best]['tokens']:,.0f} tokens/s)")
+    settings = sorted({key[1:] for key, r in results.items() if r.get("profile")})
+    for setting in settings:
+        profiles = {key[0]: r["profile"] for key, r in results.items()
+                    if key[1:] == setting and r.get("profile")}
+        mb, impl, recompute = setting
+        print(f"\nGPU kernels per step (torch.profiler, {args.profile} steps), micro-batch {mb}, "
+              f"linears {impl}, recompute {recompute}:\n")
+        print(step_profile.difference_table(profiles))
 
 
 def main(argv=None) -> int:

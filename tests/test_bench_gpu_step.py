@@ -51,3 +51,19 @@ def test_an_unknown_recompute_is_refused(capsys):
         gpu_step.parse_args(["--recomputes", "none,partial"])
     assert exit_info.value.code == 2
     assert "--recomputes: 'partial' is not one of none, selective, full" in capsys.readouterr().err
+
+
+def test_profiles_are_put_side_by_side_by_what_a_scheme_adds(capsys):
+    """Kernels are ranked by how much more GPU time a scheme spends in them than pre."""
+    args = gpu_step.parse_args(["--micro-batches", "2", "--profile", "2"])
+    pre, siamese = fake("pre", 2, 100.0), fake("siamese", 2, 105.0)
+    pre["profile"] = {"gemm": [10, 80.0], "entry_bwd": [0, 0.0], "norm_fwd": [4, 1.0]}
+    siamese["profile"] = {"gemm": [10, 80.5], "entry_bwd": [2, 3.0], "norm_fwd": [1, 0.2]}
+    gpu_step.report(args, {("pre", 2, "auto", "none"): pre,
+                           ("siamese", 2, "auto", "none"): siamese})
+    out = capsys.readouterr().out
+    table = out[out.index("GPU kernels per step"):].splitlines()
+    kernels = [line.split("|")[1].strip() for line in table if line.startswith("| ")][2:]
+    assert kernels[:3] == ["entry_bwd", "gemm", "norm_fwd"], kernels
+    assert "| entry_bwd | 0.00 (0) | 3.00 (2) | +3.00 |" in out
+    assert "| all kernels | 81.00 | 83.70 |" in out

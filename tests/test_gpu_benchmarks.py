@@ -36,9 +36,11 @@ def test_gpu_step_sweeps_and_reports():
     out = run("bench.gpu_step", "--layers", "1", "--hidden", "256", "--heads", "4",
               "--kv-heads", "2", "--ffn", "512", "--seq", "128", "--vocab", "512",
               "--micro-batches", "1,2", "--recomputes", "none,full", "--rounds", "1",
-              "--steps", "2", "--warmup", "1", "--schemes", "pre,siamese_hybrid")
+              "--steps", "2", "--warmup", "1", "--schemes", "pre,siamese_hybrid",
+              "--profile", "1")
     rows = [line for line in out.splitlines() if line.startswith(("| pre", "| siamese"))]
     assert len(rows) == 8 and "best pre setting" in out
+    assert out.count("GPU kernels per step") == 4 and "| all kernels |" in out
 
 
 def test_saved_activations_on_the_gpu_path():
