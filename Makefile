@@ -23,7 +23,7 @@ gpu-check: setup
 	$(PY) -m pytest -q -m gpu -rs
 	$(PY) -m bench.fused_norms
 	$(PY) -m bench.saved_activations
-	$(PY) -m bench.gpu_step
+	$(PY) -m bench.gpu_step --profile 3
 
 # On a GPU node only: Transformer Engine built against the venv's CUDA torch.
 te: setup
