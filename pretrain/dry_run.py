@@ -53,7 +53,7 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
     n = m.residual_streams
     if n == 1:
         streams = (h if traits.qkv_norm else 2 * h) * width
-    elif not traits.two_stream:  # hyper-connections (estimated, not yet measured on a GPU)
+    elif not traits.two_stream:  # hyper-connections (counted on the model, not on a GPU)
         streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + 2 * h) * width
     else:  # SiameseNorm: the layer input, and r for the MLP entry
         streams = (n * h + h) * width
@@ -102,7 +102,8 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       through the channel gate, which keeps x itself, a half of the layer input.
       Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
       mixes and writes (n h), the mixed input of its norm (h), the branch output it scales
-      into every stream (h) and, dynamic, the normalised streams its weights come from (n h).
+      into every stream (h) and, dynamic, the normalised streams its weights come from (n h);
+      its per-token mixing coefficients (O(n^2) values) are left out.
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
 
     That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f, siamese

@@ -22,17 +22,32 @@ ARGS = saved_activations.parse_args([f"--hidden={HIDDEN}", f"--heads={HEADS}", "
                                      "--seq=64", "--vocab=256"])
 
 
+SCHEMES = ["pre", "post", "deepnorm", "mixln", "hybridnorm", "siamese", "siamese_hybrid"]
+
+
 @pytest.fixture(scope="module")
 def kept(single_rank):
     """Bytes per token and layer, measured and estimated, for each scheme."""
-    return {s: saved_activations.layer_bytes(ARGS, s)
-            for s in ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")}
+    return {s: saved_activations.layer_bytes(ARGS, s) for s in SCHEMES}
 
 
-@pytest.mark.parametrize("scheme", ["pre", "post", "hybridnorm", "siamese", "siamese_hybrid"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_estimate_accounts_for_every_kept_activation(kept, scheme):
     gap = kept[scheme]["measured"] - kept[scheme]["estimated"]
     assert 0 <= gap <= ROPE + STATS, kept[scheme]
+
+
+def test_hyper_connection_estimate(single_rank):
+    """Dynamic hyper-connections (4 streams): besides RoPE's terms the estimate leaves out each
+    sublayer's per-token mixing coefficients and stream-norm statistics, O(n^2) values per
+    token (at most 8 n (n + 2) bytes per sublayer), at a width where one missed h-sized tensor
+    (1 KiB per token) is still larger than that allowance."""
+    args = saved_activations.parse_args([f"--heads={HEADS}", "--hidden=512", "--ffn=1024",
+                                         "--seq=64", "--vocab=256"])
+    n, rope = 4, 4 * (512 // HEADS) * WIDTH
+    kept = saved_activations.layer_bytes(args, "hc")
+    gap = kept["measured"] - kept["estimated"]
+    assert 0 <= gap <= rope + 2 * 8 * n * (n + 2) < 512 * WIDTH, kept
 
 
 def test_second_stream_costs_one_value_per_token_and_layer(kept):
