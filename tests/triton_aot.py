@@ -29,8 +29,9 @@ from kernels import triton_kernels, triton_ops  # noqa: E402
 from model import streams  # noqa: E402
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-# The 1.3B model's hidden size: the kernels' BLOCK and num_warps follow from it.
-HIDDEN = 2048
+# The kernels' BLOCK, ROWS and num_warps follow from the hidden size: the 1.3B model's (one
+# row per forward tile), and a small model's (several rows per tile, forward and backward).
+HIDDEN, SMALL_HIDDEN = 2048, 256
 
 
 class _Recorder:
@@ -67,20 +68,22 @@ def record_launches() -> list:
     try:
         for dtype in (torch.bfloat16, torch.float32):
             for is_rms, has_bias in ((True, False), (False, True), (False, False)):
-                _run_ops(dtype, is_rms, has_bias)
+                _run_ops(dtype, is_rms, has_bias, HIDDEN)
+        for is_rms, has_bias in ((True, False), (False, True)):
+            _run_ops(torch.bfloat16, is_rms, has_bias, SMALL_HIDDEN)
     finally:
         for name, kernel in originals.items():
             setattr(triton_kernels, name, kernel)
     return launches
 
 
-def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool) -> None:
+def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool, hidden: int) -> None:
     def t(*shape):
         return torch.ones(*shape, dtype=dtype, requires_grad=True)
 
-    x, y, r = t(2, HIDDEN), t(2, HIDDEN), t(2, HIDDEN)
-    w = [t(HIDDEN) for _ in range(3)]
-    b = [t(HIDDEN) for _ in range(3)] if has_bias else [None] * 3
+    x, y, r = t(2, hidden), t(2, hidden), t(2, hidden)
+    w = [t(hidden) for _ in range(3)]
+    b = [t(hidden) for _ in range(3)] if has_bias else [None] * 3
     eps = 1e-5
     outputs = [
         triton_ops.norm(x, w[0], b[0], eps, is_rms),
