@@ -36,6 +36,7 @@ import torch
 
 from bench import step_profile
 from bench.common import int_list, markdown_table, random_batch, versions_line
+from model.schemes import Recompute
 
 SCHEMES = ("pre", "siamese", "siamese_hybrid")
 TARGETS = ("targets: pre >= 65k tokens/s and >= 53% MFU; step / pre: siamese <= 1.02, "
@@ -83,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    allowed = ("none", "selective", "full")
+    allowed = [r.value for r in Recompute]
     for value in args.recomputes.split(","):
         if value not in allowed:
             p.error(f"--recomputes: {value!r} is not one of {', '.join(allowed)}")
@@ -138,26 +139,26 @@ def measure(args, scheme: str) -> dict:
     chunks, optimizer, config = build(args, scheme)
     batch = random_batch(args.vocab, args.micro_batch, args.seq, device.compute_device())
 
-    def step() -> None:
+    def step(between=None) -> list[torch.Tensor]:
+        """One training step; its losses (tensors). ``between`` runs after forward+backward,
+        before the optimizer step (the timing event that splits the two)."""
         if optimizer is not None:
             optimizer.zero_grad()
-        forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)
+        step_losses = forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)
+        if between is not None:
+            between()
         if optimizer is not None:
             optimizer.step()
+        return step_losses
 
     fwd_bwd, optim, activation, losses = [], [], 0, []
     for index in range(args.warmup + args.steps):
-        if optimizer is not None:
-            optimizer.zero_grad()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
-        losses += forward_backward(chunks, [batch], 1, args.seq, args.micro_batch)  # tensors
-        middle.record()
-        if optimizer is not None:
-            optimizer.step()
+        losses += step(middle.record)
         end.record()
         end.synchronize()
         peak = torch.cuda.max_memory_allocated() - before

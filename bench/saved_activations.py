@@ -26,6 +26,7 @@ if not torch.cuda.is_available():  # the Triton norms run in the interpreter; Tr
 from bench.common import markdown_table, random_batch, versions_line  # noqa: E402
 
 SCHEMES = ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--norm-backend", default="triton")
     return p.parse_args(argv)
 
@@ -68,7 +69,7 @@ def layer_bytes(args, scheme: str) -> dict:
     from pretrain.dry_run import Fusions, estimated_layer_bytes
     from runtime import device
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = DTYPES[args.dtype]
     batch = random_batch(args.vocab, args.batch, args.seq, device.compute_device())
     measured = []
     for layers in (args.layers, args.layers + 1):
@@ -82,8 +83,7 @@ def layer_bytes(args, scheme: str) -> dict:
                       cross_entropy=tc.cross_entropy_loss_fusion)
     tokens = args.batch * args.seq
     return {"scheme": scheme, "measured": (measured[1] - measured[0]) / tokens,
-            "estimated": estimated_layer_bytes(config, 2 if dtype == torch.bfloat16 else 4,
-                                               fusions)}
+            "estimated": estimated_layer_bytes(config, dtype.itemsize, fusions)}
 
 
 def main(argv=None) -> None:
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     print(f"shape: {args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}, "
           f"batch {args.batch}, {args.dtype}, norms {args.norm_backend}; bytes per token and "
           f"layer kept for backward (h = hidden size in values of the dtype)\n")
-    width = 2 if args.dtype == "bf16" else 4
+    width = DTYPES[args.dtype].itemsize
     rows = [[r["scheme"], f"{r['measured']:,.0f}", f"{r['measured'] / (width * h):.2f} h",
              f"{r['estimated']:,.0f}", f"{r['measured'] / base['measured']:.3f}"]
             for r in results]

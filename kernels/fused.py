@@ -52,9 +52,7 @@ class FusedNorms:
 
     def computes_like(self, norm) -> bool:
         """Whether ``norm`` is a Norm of the same kind, eps and bias presence as these."""
-        a = self._norms[0]
-        return isinstance(norm, Norm) and (norm.eps, norm.is_rms, norm.bias is None) == (
-            a.eps, a.is_rms, a.bias is None)
+        return isinstance(norm, Norm) and _kind(norm) == _kind(self._norms[0])
 
     def merge(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Nc(Na(x) + Nb(y)), without storing Na(x)."""
@@ -74,6 +72,11 @@ def fuse(backend: NormBackend, a, b, c) -> FusedNorms | None:
     norms = [a, b] if c is None else [a, b, c]
     if not all(isinstance(n, Norm) for n in norms):
         return None
-    if len({(n.eps, n.is_rms, n.bias is None) for n in norms}) != 1:
+    if len({_kind(n) for n in norms}) != 1:
         return None
     return FusedNorms(a, b, c)
+
+
+def _kind(norm: Norm) -> tuple[float, bool, bool]:
+    """What one kernel launch fixes for every norm it computes: eps, RMS or Layer, bias."""
+    return norm.eps, norm.is_rms, norm.bias is None
