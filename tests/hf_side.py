@@ -1,9 +1,20 @@
 """Exported Hugging Face folders as ``transformers`` alone sees them.
 
-:func:`transformers_side` loads each folder in a fresh interpreter, outside the repository and
-with no PYTHONPATH, so only ``transformers`` and the folder's own files can be used, and
-reports the logits of a batch, the greedy continuation of its first row and which modules of
-this project got imported (there must be none).
+:func:`transformers_side` runs this file in a fresh interpreter, outside the repository and
+with no PYTHONPATH, so only ``transformers`` and each folder's own files can be used. Per
+folder it reports the logits of a batch and what ``generate`` makes of it, greedily, with the
+KV cache and without (the model re-reading the whole prefix every step):
+
+- ``greedy``: 20 tokens continuing the batch's first row with the cache; ``greedy_nocache``
+  the same without; ``step_rel``: the largest relative difference between the two paths'
+  logits at any step;
+- ``padded``: a left-padded batch (a long prompt and a short one) generated together, with
+  and without the cache, and the short prompt alone: ``padded_rows`` / ``padded_nocache_rows``
+  / ``alone`` tokens and ``padded_step_rel``;
+- ``bf16_gates`` / ``bf16_rest``: the dtypes of the channel-gate weights and of every other
+  weight when the folder is loaded in bf16;
+
+and which modules of this project got imported (there must be none).
 """
 
 from __future__ import annotations
@@ -14,35 +25,86 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = """
-import json, sys, torch
-from transformers import AutoModelForCausalLM
-out = {}
-for name, folder in json.loads(sys.argv[1]).items():
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                 dtype=torch.float32).eval()
-    tokens = torch.tensor(json.loads(sys.argv[2]))
-    model.generation_config.eos_token_id = None  # as many tokens as ours: no stop at EOD
-    with torch.no_grad():
-        logits = model(tokens).logits
-        greedy = model.generate(tokens[:1], max_new_tokens=int(sys.argv[3]),
-                                do_sample=False)
-    out[name] = {"class": type(model).__name__, "logits": logits.tolist(),
-                 "greedy": greedy[0, tokens.shape[1]:].tolist()}
-out["modules"] = sorted(m for m in sys.modules
-                        if m.split(".")[0] in ("model", "pretrain", "kernels", "runtime"))
-print(json.dumps(out))
-"""
+PAD = 3
 
 
 def transformers_side(folders: dict[str, Path], tokens: list, greedy: int,
                       workdir: Path) -> dict:
-    """{name: {"class", "logits", "greedy"}} per folder, and "modules"."""
+    """{name: {...}} per folder (see the module docstring), "modules" and "transformers"
+    (its version). The interpreter is ``$HF_SIDE_PYTHON`` when set (a venv holding another
+    transformers release: ``make test-hf-versions``), else this one. ``-I``: neither the
+    environment nor this file's folder reaches its sys.path."""
+    python = os.environ.get("HF_SIDE_PYTHON") or sys.executable
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(workdir / "hf_modules")
-    done = subprocess.run([sys.executable, "-c", SCRIPT,
+    done = subprocess.run([python, "-I", str(Path(__file__).resolve()),
                            json.dumps({k: str(v) for k, v in folders.items()}),
                            json.dumps(tokens), str(greedy)],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def _generate(model, tokens, mask, steps: int, use_cache: bool):
+    """(new tokens [b, steps], logits [steps, b, vocab]) of greedy decoding."""
+    out = model.generate(tokens, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                         use_cache=use_cache, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=PAD)
+    import torch
+
+    return out.sequences[:, tokens.shape[1]:], torch.stack(out.logits)
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _check(folder: str, tokens, steps: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                 dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # as many tokens as ours: no stop at EOD
+    first = tokens[:1]
+    ones = torch.ones_like(first)
+    long, short = tokens[0, :8], tokens[1, :3]
+    padded = torch.stack([long, torch.cat([torch.full((5,), PAD), short])])
+    mask = torch.stack([torch.ones(8, dtype=torch.long),
+                        torch.tensor([0] * 5 + [1] * 3)])
+    with torch.no_grad():
+        logits = model(tokens).logits
+        cached, cached_logits = _generate(model, first, ones, steps, True)
+        plain, plain_logits = _generate(model, first, ones, steps, False)
+        rows, rows_logits = _generate(model, padded, mask, steps, True)
+        rows_plain, rows_plain_logits = _generate(model, padded, mask, steps, False)
+        alone, _ = _generate(model, short[None], torch.ones(1, 3, dtype=torch.long), steps,
+                             True)
+    half = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                dtype=torch.bfloat16)
+    dtypes = {name: str(p.dtype) for name, p in half.named_parameters()}
+    return {"class": type(model).__name__, "logits": logits.tolist(),
+            "bf16_gates": sorted({v for k, v in dtypes.items() if "attn_gate" in k}),
+            "bf16_rest": sorted({v for k, v in dtypes.items() if "attn_gate" not in k}),
+            "greedy": cached[0].tolist(), "greedy_nocache": plain[0].tolist(),
+            "step_rel": _rel(cached_logits, plain_logits),
+            "padded_rows": rows.tolist(), "padded_nocache_rows": rows_plain.tolist(),
+            "padded_step_rel": _rel(rows_logits, rows_plain_logits),
+            "alone": alone[0].tolist()}
+
+
+def main(folders: str, tokens: str, steps: str):
+    import torch
+    import transformers
+
+    batch = torch.tensor(json.loads(tokens))
+    out = {name: _check(folder, batch, int(steps))
+           for name, folder in json.loads(folders).items()}
+    out["modules"] = sorted(m for m in sys.modules
+                            if m.split(".")[0] in ("model", "pretrain", "kernels", "runtime"))
+    out["transformers"] = transformers.__version__
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

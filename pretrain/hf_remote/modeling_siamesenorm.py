@@ -18,6 +18,7 @@ fp32. The KV cache holds keys and values only: every other quantity is per token
 generation computes exactly what a full forward does.
 """
 
+import inspect
 import math
 
 import torch
@@ -28,6 +29,22 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_siamesenorm import SiameseNormConfig
+
+# DynamicCache takes the model config (for per-layer cache types) since transformers 5.0
+CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+
+# Arguments transformers may pass that leave the logits as they are: ``cache_position``
+# restates the cache length, which the cache itself knows; the others are switched off.
+IGNORED = {"cache_position"}
+OFF_ONLY = {"output_attentions", "output_hidden_states"}
+
+
+def refuse_unsupported(options: dict):
+    """TypeError for an argument this model would otherwise ignore while it matters."""
+    for name, value in options.items():
+        if name in IGNORED or value is None or (name in OFF_ONLY and not value):
+            continue
+        raise TypeError(f"SiameseNormForCausalLM.forward does not support {name}={value!r}")
 
 
 class Norm(nn.Module):
@@ -206,7 +223,7 @@ class SiameseBlock(Block):
 
 
 class ChannelGate(nn.Module):
-    """g, a per-channel scale kept in fp32 (``_keep_in_fp32_modules``)."""
+    """g, a per-channel scale kept in fp32 (``_keep_in_fp32_modules_strict``)."""
 
     def __init__(self, size: int):
         super().__init__()
@@ -373,8 +390,8 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings,
                                                     config.hidden_size)
 
-    def forward(self, input_ids, positions):
-        h = self.word_embeddings(input_ids)
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        h = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         if hasattr(self, "position_embeddings"):
             h = h + self.position_embeddings(positions)
         return h
@@ -408,8 +425,15 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
     config_class = SiameseNormConfig
     base_model_prefix = "model"
     _no_split_modules = ["Block"]
-    _keep_in_fp32_modules = ["attn_gate"]
     _supports_cache_class = True
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # SiameseNorm's channel gate stays fp32 when the model loads in bf16 or fp16 ("strict":
+        # bf16 too). Named only where the scheme has one: transformers 4.x refuses a name that
+        # is not among the model's modules.
+        if config.residual_scheme == "siamese_hybrid":
+            self._keep_in_fp32_modules_strict = ["attn_gate"]
 
     def _init_weights(self, module):
         """Only for weights a checkpoint lacks: normal(0, initializer_range) matrices; norms,
@@ -445,26 +469,28 @@ class SiameseNormModel(SiameseNormPreTrainedModel):
             return h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_rate, h.shape[-1])
         return h
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, **_unused):
-        b, s = input_ids.shape
-        if use_cache and past_key_values is None:
-            try:
-                past_key_values = DynamicCache(config=self.config)
-            except TypeError:  # transformers 4.x
-                past_key_values = DynamicCache()
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, inputs_embeds=None):
+        """(final hidden states, cache). ``attention_mask`` is the 2-D padding mask over the
+        cached and the new tokens; ``position_ids`` default to the cache length onwards."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        b, s = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config) if CACHE_TAKES_CONFIG else DynamicCache()
+        past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
-            position_ids = torch.arange(past, past + s, device=input_ids.device).expand(b, -1)
-        h = self.embedding(input_ids, position_ids)
+            position_ids = torch.arange(past, past + s, device=device).expand(b, -1)
+        h = self.embedding(input_ids, position_ids, inputs_embeds)
         rope = (rope_tables(self.config, position_ids, h.dtype)
                 if self.config.position_embedding == "rope" else None)
-        mask, causal = causal_mask(attention_mask, s, past, input_ids.device)
-        ctx = Context(rope, mask, causal, past_key_values)
+        mask, causal = causal_mask(attention_mask, s, past, device)
+        ctx = Context(rope, mask, causal, cache)
         state = self.start(h)
         for block in self.decoder.layers:
             state = block(state, ctx)
-        return self.decoder.final_layernorm(state), past_key_values
+        return self.decoder.final_layernorm(state), cache
 
 
 class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
@@ -488,11 +514,18 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                past_key_values=None, labels=None, use_cache=None, logits_to_keep=0,
-                return_dict=None, **kwargs):
-        hidden, cache = self.model(input_ids, attention_mask, position_ids, past_key_values,
-                                   use_cache=bool(use_cache))
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
+                return_dict=None, past_key_values=None, **options):
+        """Logits (and the next-token loss with ``labels``). The cache comes as ``cache``
+        (transformers >= 5.24) or ``past_key_values`` (earlier releases); any other argument
+        that would change the result is refused, never dropped: a silently ignored cache
+        decodes every step from an empty one."""
+        refuse_unsupported(options)
+        if cache is None:
+            cache = past_key_values
+        hidden, cache = self.model(input_ids, attention_mask, position_ids, cache,
+                                   bool(use_cache), inputs_embeds)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
@@ -500,4 +533,6 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                    labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        # past_key_values= is the field's name before 5.24 and an accepted alias since
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return output if return_dict is not False else output.to_tuple()
