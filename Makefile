@@ -2,10 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench lint gpu-check te
+.PHONY: setup test demo bench lint gpu-check te test-hf-versions lock-refresh
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
+# requirements.lock pins every package (the versions the suite last passed with).
+$(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 	bash scripts/install.sh $(VENV)
 	touch $@
 
@@ -28,6 +29,15 @@ gpu-check: setup
 # On a GPU node only: Transformer Engine built against the venv's CUDA torch.
 te: setup
 	bash scripts/install_te.sh $(VENV)
+
+# Exported folders against the oldest and the newest supported transformers, each in its own
+# venv (.venv-hf/<version>: torch and that release only).
+test-hf-versions: setup
+	$(PY) scripts/test_hf_versions.py
+
+# The newest releases pyproject allows, tested with the whole suite before they become the lock.
+lock-refresh:
+	bash scripts/refresh_lock.sh
 
 lint: setup
 	$(PY) -m ruff check .

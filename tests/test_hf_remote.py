@@ -12,22 +12,32 @@ on the oldest and the newest supported release.
 """
 
 import contextlib
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from model.builder import build_model
 from model.config import ParallelConfig
 from pretrain import hf_export
 from pretrain.generate import Sampling, continue_tokens
 from pretrain.hf_export import write_folder
+from pretrain.hf_remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
 from pretrain.tokenizer import open_tokenizer
 from tests.helpers import tiny_model
 from tests.hf_side import transformers_side
 
+ROOT = Path(__file__).resolve().parents[1]
 GREEDY = 20
 CASES = {
     "pre-llama": ("pre", {}),
@@ -176,3 +186,72 @@ def test_bf16_keeps_the_channel_gate_in_fp32(exported, case):
     gates = ["torch.float32"] if case.startswith("siamese_hybrid") else []
     assert theirs[case]["bf16_gates"] == gates
     assert theirs[case]["bf16_rest"] == ["torch.bfloat16"]
+
+
+LOAD_AS = """
+import sys, transformers
+transformers.__version__ = sys.argv[2]
+from transformers import AutoModelForCausalLM
+AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+print("loaded")
+"""
+
+
+def load_as(folder, version: str, tmp_path, **env):
+    """Load a folder in a fresh transformers-only process that reports another version."""
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-I", "-c", LOAD_AS, str(folder), version],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**clean, "HF_MODULES_CACHE": str(tmp_path / "m"), **env})
+
+
+@pytest.mark.parametrize("version", ["4.56.2", "5.25.0"])
+def test_an_unsupported_transformers_is_refused_in_one_line(exported, tmp_path, version):
+    """Outside the tested range the model refuses to load, naming the range, rather than
+    risk generating wrong text."""
+    done = load_as(exported[2]["siamese"], version, tmp_path)
+    assert done.returncode != 0 and "loaded" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith(f"this SiameseNorm model supports transformers {SUPPORTED}, not "
+                         f"{version}: install a release in that range (or set "
+                         "SIAMESENORM_ANY_TRANSFORMERS=1 to try this one untested)"), last
+
+
+def test_the_escape_hatch_loads_an_untested_transformers_with_a_warning(exported, tmp_path):
+    forced = load_as(exported[2]["siamese"], "6.0.0", tmp_path, SIAMESENORM_ANY_TRANSFORMERS="1")
+    assert forced.stdout.strip() == "loaded", forced.stderr[-2000:]
+    assert "not 6.0.0; loading it untested" in forced.stderr
+
+
+def test_the_supported_range_is_what_the_project_declares():
+    """The remote code's range, pyproject's requirement and the locked release agree."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    [declared] = [r for r in project["optional-dependencies"]["dev"]
+                  if r.startswith("transformers")]
+    assert SpecifierSet(declared.removeprefix("transformers")) == SpecifierSet(SUPPORTED)
+    locked = [line.split("==")[1] for line in (ROOT / "requirements.lock").read_text().split()
+              if line.startswith("transformers==")]
+    assert len(locked) == 1 and SpecifierSet(SUPPORTED).contains(locked[0])
+
+
+def test_arguments_the_model_would_ignore_are_refused(exported):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(exported[2]["siamese"], trust_remote_code=True,
+                                                 dtype=torch.float32)
+    tokens = torch.tensor([[5, 17, 300]])
+    with torch.no_grad():
+        assert model(tokens, output_attentions=False, cache_position=None).logits.shape[1] == 3
+        with pytest.raises(TypeError, match="does not support output_attentions=True"):
+            model(tokens, output_attentions=True)
+        with pytest.raises(TypeError, match="does not support kv_cache="):
+            model(tokens, kv_cache=object())
+
+
+def test_the_version_matrix_takes_both_ends_of_the_range():
+    spec = importlib.util.spec_from_file_location("matrix", ROOT / "scripts/test_hf_versions.py")
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    releases = [Version(v) for v in ("4.56.2", "4.57.0", "4.57.6", "5.0.0", "5.24.0", "5.25.0")]
+    assert matrix.range_ends(">=4.57,<5.25", releases) == ["4.57.0", "5.24.0"]
+    assert matrix.range_ends(">=5.24,<5.25", releases) == ["5.24.0"]

@@ -6,10 +6,38 @@ folder's ``config.json`` states the model exactly as it was trained: the residua
 ``hc``) and the switches only some schemes read.
 """
 
+import os
+import warnings
+
+import transformers
+from packaging.specifiers import SpecifierSet
+
 try:
     from transformers import PreTrainedConfig as _Config
 except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as _Config
+
+# The transformers releases this code is tested on: from the oldest release of the range to
+# the newest one (``make test-hf-versions`` runs both ends), up to but not including the next
+# minor release. A release outside it is refused at import: 5.24 renamed the argument that
+# carries the KV cache, and code written for 5.23 then generated wrong text without an error.
+SUPPORTED_TRANSFORMERS = ">=4.57,<5.25"
+ANY_TRANSFORMERS = "SIAMESENORM_ANY_TRANSFORMERS"  # =1: load anyway, with a warning
+
+
+def check_transformers(version: str = transformers.__version__):
+    if SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True):
+        return
+    why = (f"this SiameseNorm model supports transformers {SUPPORTED_TRANSFORMERS}, "
+           f"not {version}")
+    if os.environ.get(ANY_TRANSFORMERS) == "1":
+        warnings.warn(f"{why}; loading it untested because {ANY_TRANSFORMERS}=1", stacklevel=2)
+        return
+    raise ImportError(f"{why}: install a release in that range (or set {ANY_TRANSFORMERS}=1 "
+                      "to try this one untested)")
+
+
+check_transformers()
 
 SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc")
 
