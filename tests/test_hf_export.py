@@ -1,8 +1,9 @@
 """``export-hf`` from trained checkpoints: a ``pre`` one written at PP=2 becomes a Hugging Face
 Llama folder, a ``siamese_hybrid`` (HybridNorm* block 0) one written at TP=2 a remote-code
 folder; each loads in a fresh process with no code of this project and gives the same logits
-(fp32, 1e-5) and the same 20 greedy tokens as this framework's model. The exported tokenizer
-reproduces the sentencepiece one. (Every scheme's mapping: tests/test_hf_remote.py.)"""
+(fp32, 1e-5) and the same 20 greedy tokens as this framework's model, with the KV cache and
+without. The exported tokenizer reproduces the sentencepiece one. (Every scheme's mapping:
+tests/test_hf_remote.py.)"""
 
 import json
 
@@ -56,7 +57,9 @@ def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tm
     ours, greedy = our_side(run)
     want = torch.tensor(theirs["logits"])
     assert ((ours - want).abs().max() / want.abs().max()).item() <= 1e-5
-    assert greedy == theirs["greedy"]
+    assert greedy == theirs["greedy"] == theirs["greedy_nocache"]  # with and without KV cache
+    assert theirs["step_rel"] <= 1e-5 and theirs["padded_step_rel"] <= 1e-5
+    assert theirs["padded_rows"][1] == theirs["alone"]
 
 
 def test_the_exported_tokenizer_reproduces_sentencepiece(trained_run, data, tmp_path):
