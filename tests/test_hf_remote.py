@@ -250,6 +250,8 @@ def test_arguments_the_model_would_ignore_are_refused(exported):
             model(tokens, output_attentions=True)
         with pytest.raises(TypeError, match="does not support kv_cache="):
             model(tokens, kv_cache=object())
+        with pytest.raises(ValueError, match="must be the 2-D padding mask"):
+            model(tokens, attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool))
 
 
 def test_the_version_matrix_takes_both_ends_of_the_range():

@@ -475,6 +475,9 @@ class SiameseNormModel(SiameseNormPreTrainedModel):
         cached and the new tokens; ``position_ids`` default to the cache length onwards."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("attention_mask must be the 2-D padding mask [batch, cached + new "
+                             f"tokens], not a {attention_mask.dim()}-D one (a static cache's)")
         b, s = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if use_cache and cache is None:
