@@ -80,8 +80,8 @@ def installed(python: Path, packages: tuple[str, ...]) -> str:
     return ", ".join(f"{p} {found.get(p, '-')}" for p in packages)
 
 
-def run_tests(version: str) -> tuple[bool, str, float]:
-    python = side_venv(version)
+def run_tests(python: Path) -> tuple[bool, str, float]:
+    """The export tests with their transformers side in ``python``'s venv."""
     env = {**os.environ, "HF_SIDE_PYTHON": str(python)}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS], cwd=ROOT, env=env,
@@ -105,9 +105,10 @@ def main(argv=None) -> int:
           f"(torch {locked('torch')}); tests: {' '.join(TESTS)}")
     rows, failed = [], False
     for version in versions:
-        ok, summary, seconds = run_tests(version)
+        python = side_venv(version)
+        ok, summary, seconds = run_tests(python)
         failed |= not ok
-        deps = installed(side_venv(version), ("tokenizers", "huggingface-hub", "safetensors"))
+        deps = installed(python, ("tokenizers", "huggingface-hub", "safetensors"))
         rows.append(f"| {version} | {deps} | {summary} | {seconds:.0f} s |")
         print(rows[-1], flush=True)
     print("\n| transformers | its venv also has | tests | time |\n|---|---|---|---|")

@@ -25,22 +25,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM
+
 PAD = 3
+
+
+def isolated(python: str, args: list[str], workdir: Path, **env) -> subprocess.CompletedProcess:
+    """``python -I ARGS`` in ``workdir``: neither PYTHONPATH nor the script's folder reaches
+    its sys.path, so it imports only what its venv holds; remote code is cached in
+    ``workdir``."""
+    return subprocess.run([python, "-I", *args], cwd=workdir, capture_output=True, text=True,
+                          timeout=900, env={**os.environ,
+                                            "HF_MODULES_CACHE": str(workdir / "hf_modules"),
+                                            **env})
 
 
 def transformers_side(folders: dict[str, Path], tokens: list, greedy: int,
                       workdir: Path) -> dict:
     """{name: {...}} per folder (see the module docstring), "modules" and "transformers"
     (its version). The interpreter is ``$HF_SIDE_PYTHON`` when set (a venv holding another
-    transformers release: ``make test-hf-versions``), else this one. ``-I``: neither the
-    environment nor this file's folder reaches its sys.path."""
+    transformers release: ``make test-hf-versions``), else this one."""
     python = os.environ.get("HF_SIDE_PYTHON") or sys.executable
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(workdir / "hf_modules")
-    done = subprocess.run([python, "-I", str(Path(__file__).resolve()),
-                           json.dumps({k: str(v) for k, v in folders.items()}),
-                           json.dumps(tokens), str(greedy)],
-                          cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
+    done = isolated(python, [str(Path(__file__).resolve()),
+                             json.dumps({k: str(v) for k, v in folders.items()}),
+                             json.dumps(tokens), str(greedy)], workdir)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -50,8 +59,6 @@ def _generate(model, tokens, mask, steps: int, use_cache: bool):
     out = model.generate(tokens, attention_mask=mask, max_new_tokens=steps, do_sample=False,
                          use_cache=use_cache, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=PAD)
-    import torch
-
     return out.sequences[:, tokens.shape[1]:], torch.stack(out.logits)
 
 
@@ -60,26 +67,22 @@ def _rel(a, b) -> float:
 
 
 def _check(folder: str, tokens, steps: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                  dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # as many tokens as ours: no stop at EOD
     first = tokens[:1]
-    ones = torch.ones_like(first)
     long, short = tokens[0, :8], tokens[1, :3]
-    padded = torch.stack([long, torch.cat([torch.full((5,), PAD), short])])
-    mask = torch.stack([torch.ones(8, dtype=torch.long),
-                        torch.tensor([0] * 5 + [1] * 3)])
+    pads = len(long) - len(short)
+    padded = torch.stack([long, torch.cat([torch.full((pads,), PAD), short])])
+    mask = torch.ones_like(padded)
+    mask[1, :pads] = 0
     with torch.no_grad():
         logits = model(tokens).logits
-        cached, cached_logits = _generate(model, first, ones, steps, True)
-        plain, plain_logits = _generate(model, first, ones, steps, False)
+        cached, cached_logits = _generate(model, first, torch.ones_like(first), steps, True)
+        plain, plain_logits = _generate(model, first, torch.ones_like(first), steps, False)
         rows, rows_logits = _generate(model, padded, mask, steps, True)
         rows_plain, rows_plain_logits = _generate(model, padded, mask, steps, False)
-        alone, _ = _generate(model, short[None], torch.ones(1, 3, dtype=torch.long), steps,
-                             True)
+        alone, _ = _generate(model, short[None], torch.ones_like(short[None]), steps, True)
     half = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                 dtype=torch.bfloat16)
     dtypes = {name: str(p.dtype) for name, p in half.named_parameters()}
@@ -94,7 +97,6 @@ def _check(folder: str, tokens, steps: int) -> dict:
 
 
 def main(folders: str, tokens: str, steps: str):
-    import torch
     import transformers
 
     batch = torch.tensor(json.loads(tokens))

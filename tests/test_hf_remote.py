@@ -14,9 +14,7 @@ on the oldest and the newest supported release.
 import contextlib
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -35,7 +33,7 @@ from pretrain.hf_export import write_folder
 from pretrain.hf_remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
 from pretrain.tokenizer import open_tokenizer
 from tests.helpers import tiny_model
-from tests.hf_side import transformers_side
+from tests.hf_side import isolated, transformers_side
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = 20
@@ -199,10 +197,7 @@ print("loaded")
 
 def load_as(folder, version: str, tmp_path, **env):
     """Load a folder in a fresh transformers-only process that reports another version."""
-    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-I", "-c", LOAD_AS, str(folder), version],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**clean, "HF_MODULES_CACHE": str(tmp_path / "m"), **env})
+    return isolated(sys.executable, ["-c", LOAD_AS, str(folder), version], tmp_path, **env)
 
 
 @pytest.mark.parametrize("version", ["4.56.2", "5.25.0"])

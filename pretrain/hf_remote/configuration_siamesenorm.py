@@ -25,7 +25,9 @@ SUPPORTED_TRANSFORMERS = ">=4.57,<5.25"
 ANY_TRANSFORMERS = "SIAMESENORM_ANY_TRANSFORMERS"  # =1: load anyway, with a warning
 
 
-def check_transformers(version: str = transformers.__version__):
+def check_transformers():
+    """ImportError (or, with the escape hatch, a warning) outside the supported range."""
+    version = transformers.__version__
     if SpecifierSet(SUPPORTED_TRANSFORMERS).contains(version, prereleases=True):
         return
     why = (f"this SiameseNorm model supports transformers {SUPPORTED_TRANSFORMERS}, "

@@ -478,8 +478,8 @@ class SiameseNormModel(SiameseNormPreTrainedModel):
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("attention_mask must be the 2-D padding mask [batch, cached + new "
                              f"tokens], not a {attention_mask.dim()}-D one (a static cache's)")
-        b, s = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-        device = (input_ids if input_ids is not None else inputs_embeds).device
+        given = input_ids if input_ids is not None else inputs_embeds
+        (b, s), device = given.shape[:2], given.device
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config) if CACHE_TAKES_CONFIG else DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
