@@ -105,7 +105,7 @@ def op_call(op: Op, backend, scale: float = 3.0) -> Callable:
         OPS[0].name: lambda t, m: [m(t[0])],
         OPS[1].name: lambda t, m: list(m.entry(*streams.unpack(t[0]))),
         OPS[2].name: lambda t, m: list(m.update_entry(*t, scale)),
-        OPS[3].name: lambda t, m: [packed_update(*t, scale, backend)],
+        OPS[3].name: lambda t, m: [packed_update(backend)(*t, scale)],
         OPS[4].name: lambda t, m: [m(t[0])],
         OPS[5].name: lambda t, m: [residual_norm(m, t[0], t[1])],
         OPS[6].name: lambda t, m: _qkv_heads(t[0], m, backend),

@@ -129,7 +129,7 @@ def measure(args, scheme: str) -> dict:
     from model.backends import resolve_attention_backend, resolve_transformer_impl
     from model.builder import count_parameters
     from model.config import ParallelConfig
-    from pretrain.throughput import Throughput
+    from pretrain.report.throughput import Throughput
     from runtime import device, parallel
     from runtime.schedule import forward_backward
 
@@ -236,7 +236,7 @@ def report(args, results: dict[tuple[str, int, str, str], dict]) -> None:
     print(f"median of {args.steps} x {args.rounds} steps after {args.warmup} warm-up, one "
           f"process per scheme and micro-batch; step = {step_kind}, GPU time by CUDA events; "
           "tokens/s, TFLOP/s and MFU from the step time; FLOPs/token by Megatron-LM's formula "
-          "(pretrain/throughput.py); activation = peak allocated in fwd+bwd minus weights, "
+          "(pretrain/report/throughput.py); activation = peak allocated in fwd+bwd minus weights, "
           "grads, optimizer state; ratios against pre at the same micro-batch, linears and "
           "recompute")
     print(f"{TARGETS}\n")

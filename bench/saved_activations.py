@@ -66,7 +66,7 @@ def layer_bytes(args, scheme: str) -> dict:
     """Measured and estimated bytes per token one layer of ``scheme`` keeps."""
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
-    from pretrain.dry_run import Fusions, estimated_layer_bytes
+    from pretrain.report.dry_run import Fusions, estimated_layer_bytes
     from runtime import device
 
     dtype = DTYPES[args.dtype]

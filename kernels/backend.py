@@ -16,7 +16,6 @@ backends in one process each keep their own.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from enum import StrEnum
@@ -40,26 +39,9 @@ def _triton_reason() -> str | None:
     return None
 
 
-@functools.cache
-def _te_importable() -> bool:
-    try:  # a broken TE raises RuntimeError/OSError, not only ImportError
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _te_reason() -> str | None:
-    # TE is imported only after CUDA is known to exist: on a CUDA-less machine importing it
-    # raises and breaks megatron's own imports.
-    if not device.uses_cuda():
-        return "no CUDA device on this machine"
-    return None if _te_importable() else "transformer_engine is not installed or failed to import"
-
-
 def unavailable_reason(backend: NormBackend) -> str | None:
     """Why ``backend`` cannot run here, or None when it can."""
-    return {NormBackend.TRITON: _triton_reason, NormBackend.TE: _te_reason}.get(
+    return {NormBackend.TRITON: _triton_reason, NormBackend.TE: device.te_unavailable_reason}.get(
         backend, lambda: None)()
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from lab.report import write_report
 from model.schemes import ResidualScheme
 from pretrain.config import load_config
-from pretrain.diagnostics import LossSpikeDetector
+from pretrain.train.diagnostics import LossSpikeDetector
 from runtime.errors import ConfigError, UserError
 from runtime.launcher import standalone_env
 

@@ -13,13 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from pretrain.__main__ import _parser
+from pretrain.arguments import parse
 from runtime.errors import UserError
 
 
 def last_step(checkpoints: Path) -> int:
     """Step of the newest complete checkpoint under ``checkpoints`` (0 when there is none)."""
-    from pretrain.checkpoint import COMPLETE, resolve
+    from pretrain.run.checkpoint import COMPLETE, resolve
 
     found = resolve(checkpoints)
     return json.loads((found / COMPLETE).read_text())["step"] if found else 0
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     from pretrain.config import load_config
 
     try:
-        args, overrides = _parser().parse_known_args(argv)
+        args, overrides = parse(argv)
         config = load_config(args.config, overrides)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)

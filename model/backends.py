@@ -14,13 +14,12 @@ Three model fields choose, each resolved once per process:
 - ``megatron_fusions`` (auto | on | off): megatron-core's own fused kernels
   (:func:`resolve_fusions`). ``auto``: on with CUDA, off on the CPU.
 
-TE is only ever imported after ``torch.cuda.is_available()``: with TE installed on a machine
-without CUDA, importing it raises (not ImportError), so nothing here touches it on a CPU.
+Whether TE can be used is decided in one place, :func:`runtime.device.te_unavailable_reason`,
+which never imports TE on a machine without CUDA.
 """
 
 from __future__ import annotations
 
-import functools
 from enum import StrEnum
 
 from runtime import device
@@ -45,32 +44,13 @@ class MegatronFusions(StrEnum):
     OFF = "off"
 
 
-def te_unavailable_reason() -> str | None:
-    """Why TE cannot be used on this machine, or None when it can."""
-    if not device.uses_cuda():
-        return "no CUDA device on this machine"
-    if not _te_importable():
-        return "transformer_engine is not installed or failed to import"
-    return None
-
-
 def te_available() -> bool:
-    return te_unavailable_reason() is None
-
-
-@functools.cache
-def _te_importable() -> bool:
-    # Only reached with CUDA present (see te_unavailable_reason).
-    try:
-        from megatron.core.extensions import transformer_engine as te_ext
-    except Exception:  # a broken TE raises RuntimeError/OSError, not only ImportError
-        return False
-    return bool(te_ext.HAVE_TE)
+    return device.te_unavailable_reason() is None
 
 
 def te_module(name: str):
     """A class from megatron's TE wrappers (e.g. ``TEDotProductAttention``)."""
-    reason = te_unavailable_reason()
+    reason = device.te_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"Transformer Engine requested but unavailable: {reason}")
     from megatron.core.extensions import transformer_engine as te_ext

@@ -18,7 +18,6 @@ from model.backends import (
     AttentionBackend,
     MegatronFusions,
     TransformerImpl,
-    te_unavailable_reason,
 )
 from model.schemes import (
     SCHEME_FIELDS,
@@ -31,6 +30,7 @@ from model.schemes import (
     ResidualScheme,
     schemes_reading,
 )
+from runtime import device
 from runtime.errors import ConfigError
 
 
@@ -184,7 +184,7 @@ class ModelConfig:
             require(0.0 <= value < 1.0, f"model.{name} ({value}) must be in [0, 1)")
         for name in ("attention_backend", "transformer_impl"):
             if getattr(self, name) == "te":  # the check looks for CUDA before TE
-                missing = te_unavailable_reason()
+                missing = device.te_unavailable_reason()
                 require(missing is None, f"model.{name} (te) needs Transformer Engine on a "
                          f"CUDA machine ({missing}); use auto")
         if self.position_embedding is PositionEmbedding.ROPE:

@@ -40,6 +40,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from model.config import ModelConfig
+from model.layers import SCHEME_FILES
 from model.schemes import InitMethod
 
 TRUNCATION = 3.0
@@ -78,7 +79,7 @@ def draw(model: ModelConfig, seed: int, name: str, key: str, shape: tuple[int, .
         torch.nn.init.trunc_normal_(weight, 0.0, std, -bound, bound, generator=generator)
     else:
         weight.normal_(0.0, std, generator=generator)
-    scale_init = getattr(model.residual_scheme.module, "scale_init", None)
+    scale_init = getattr(SCHEME_FILES[model.residual_scheme], "scale_init", None)
     if scale_init is not None:
         scale_init(model, key, weight)
     return weight
@@ -121,7 +122,7 @@ def fill(chunks: list[torch.nn.Module], source: Source) -> None:
 
 def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
     """Overwrite every random weight of ``chunks`` with its layout-independent draw."""
-    fixed = getattr(model.residual_scheme.module, "FIXED_INIT", ())
+    fixed = getattr(SCHEME_FILES[model.residual_scheme], "FIXED_INIT", ())
 
     def drawn(tensor: ShardedTensor, name: str) -> torch.Tensor | None:
         std = std_of(model, tensor.key)

@@ -4,20 +4,20 @@ choice fields.
 A scheme is one member of :class:`ResidualScheme`, carrying its :class:`Traits` (everything the
 config checks, the megatron config, the spec and the dry run need to know about it), plus one
 file, ``model/layers/<value>.py``, whose ``layer(model, index)`` says which layer class builds
-each block. Nothing else in the code lists schemes.
+each block (listed in ``model.layers.SCHEME_FILES``). This module is a leaf: the enums here are
+read by the config and the layers alike, and it imports neither.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from model.config import ModelConfig
+# What the traits' functions are called with: the ModelConfig being built (not imported here,
+# since the config imports this module).
+ModelConfig = Any
 
 
 class FinalNorm(StrEnum):
@@ -84,12 +84,6 @@ class ResidualScheme(StrEnum):
         member._value_ = value
         member.traits = traits
         return member
-
-    @property
-    def module(self) -> ModuleType:
-        """The scheme's own file, ``model/layers/<value>.py``: ``layer(model, index)``, and
-        optionally ``final_norm``, ``scale_init``, ``FIXED_INIT``."""
-        return importlib.import_module(f"model.layers.{self.value}")
 
     # h <- h + F(N(h)); final norm
     PRE = "pre", Traits()

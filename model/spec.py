@@ -42,6 +42,7 @@ from model.backends import (
     te_module,
 )
 from model.config import ModelConfig, require
+from model.layers import SCHEME_FILES
 from model.layers.base import LayerChoice, SchemeLayerSubmodules
 from model.layers.merge import StreamMergeNorm
 from model.schemes import FinalNorm, Normalization
@@ -144,7 +145,7 @@ def pre_norm_layer_spec(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
 def scheme_layer(model: ModelConfig, index: int) -> LayerChoice:
     """The layer class and parameters of global block ``index`` (0-based), from the scheme's
     own file; None for megatron's Pre-Norm layer."""
-    return model.residual_scheme.module.layer(model, index)
+    return SCHEME_FILES[model.residual_scheme].layer(model, index)
 
 
 def layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSpec:
@@ -167,7 +168,7 @@ def final_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec | None:
     """What closes the decoder (the scheme's ``Traits.final``)."""
     final = model.residual_scheme.traits.final
     if final is FinalNorm.SCHEME:
-        return model.residual_scheme.module.final_norm(model, plain_norm(model, backend))
+        return SCHEME_FILES[model.residual_scheme].final_norm(model, plain_norm(model, backend))
     if final is FinalNorm.MERGE:
         return ModuleSpec(module=StreamMergeNorm,
                           params={"norm": plain_norm(model, backend), "backend": backend})

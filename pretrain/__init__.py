@@ -1,5 +1,6 @@
-"""Training entry point (``python -m pretrain``): data, loop, checkpoints, evaluation, W&B.
+"""Pretraining: ``python -m pretrain <command>`` and everything a run needs around the model.
 
-Builds on :mod:`model` (models, schedules, checkpoint format); the commands are in
-``pretrain/__main__.py``.
+Imports flow one way (a test holds it): ``__main__`` -> ``train`` -> ``hf`` -> ``unsharded``
+-> ``run`` -> ``data`` -> ``report`` -> ``build``/``config``/``paths``; nothing here imports
+an entry point or another module's private name.
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import tomllib
 import types
@@ -147,7 +148,7 @@ class LoggingConfig:
     name: str = ""
     peak_tflops: float = 0.0
     """The accelerator's dense bf16 peak TFLOP/s for MFU (0: known from the device name; no
-    MFU is reported for a device not in pretrain.throughput.PEAK_TFLOPS)."""
+    MFU is reported for a device not in pretrain.report.throughput.PEAK_TFLOPS)."""
 
     def __post_init__(self) -> None:
         coerce_choices("logging", self)
@@ -168,7 +169,7 @@ class KernelsConfig:
 
 @dataclass
 class DiagnosticsConfig:
-    """Per-stream diagnostics (``pretrain/diagnostics.py``) to metrics.jsonl and W&B."""
+    """Per-stream diagnostics (``pretrain/train/diagnostics.py``) to metrics.jsonl and W&B."""
 
     interval: int = 0
     """Every this many steps, log each block's stream RMS and the gradient norm reaching each
@@ -455,3 +456,15 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
             require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
                      f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
                      f"({config.parallel.pp}) and larger than it with virtual pipelining")
+
+
+def to_toml(config: Config) -> str:
+    """The config as the TOML a run folder keeps (``config.toml``); unset fields left out."""
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {json.dumps(value)}")
+        lines.append("")
+    return "\n".join(lines)

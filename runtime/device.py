@@ -13,6 +13,7 @@ machine looks exactly like a CPU machine to torch, megatron and Triton alike.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -89,3 +90,24 @@ def make_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def te_unavailable_reason() -> str | None:
+    """Why Transformer Engine cannot be used by this process, or None when it can: the one
+    place TE is detected (norm backends, attention and linear layers all ask here).
+
+    TE is imported only after CUDA is known to exist: with TE installed on a machine without
+    CUDA, importing it raises (not ImportError) and breaks megatron's own imports."""
+    if not uses_cuda():
+        return "no CUDA device on this machine"
+    return None if te_importable() else "transformer_engine is not installed or failed to import"
+
+
+@functools.cache
+def te_importable() -> bool:
+    """megatron's TE wrappers import and found TE (only ever called with CUDA present)."""
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext
+    except Exception:  # a broken TE raises RuntimeError/OSError, not only ImportError
+        return False
+    return bool(te_ext.HAVE_TE)

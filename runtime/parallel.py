@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -12,11 +13,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from model.config import ParallelConfig
 from runtime import cpu_compat, device
 
 
-def initialize(parallel: ParallelConfig, seed: int = 1234) -> None:
+class Layout(Protocol):
+    """The split of one model replica over ranks that the process groups are built for
+    (``model.config.ParallelConfig`` is one; the runtime reads only these sizes)."""
+
+    tp: int
+    pp: int
+    vp: int | None
+
+
+def initialize(parallel: Layout, seed: int = 1234) -> None:
     """Join (or create, for a single process) the default group and build megatron's groups.
 
     The process is bound to its device first (:mod:`runtime.device`): NCCL on its GPU, or gloo

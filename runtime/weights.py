@@ -3,7 +3,7 @@
 Each rank contributes its shards under global keys, so weights written under one TP/PP/VP
 layout load under any other. Virtual pipeline chunks are stored as ``model0``, ``model1``...
 like Megatron-LM does; their tensors still carry global layer numbers. Run checkpoints
-(``pretrain.checkpoint``) add the optimizer, schedule and RNG around the same model state and
+(``pretrain.run.checkpoint``) add the optimizer, schedule and RNG around the same model state and
 load it through :func:`read` and :func:`put`.
 """
 
@@ -33,7 +33,7 @@ def sharded_state(chunks: list) -> dict:
 
 
 def save(chunks: list, directory: str | Path) -> None:
-    """The model weights alone (tests and tools; runs save through pretrain.checkpoint)."""
+    """The model weights alone (tests and tools; runs save through pretrain.run.checkpoint)."""
     os.makedirs(directory, exist_ok=True)
     dist_checkpointing.save(sharded_state(chunks), str(directory))
 

@@ -25,7 +25,7 @@ newest=$("$py" -m pip --disable-pip-version-check index versions transformers 2>
 "$py" - "$newest" <<'PY'
 import sys
 from packaging.specifiers import SpecifierSet
-from pretrain.hf_remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as supported
+from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as supported
 newest = sys.argv[1]
 if newest and not SpecifierSet(supported).contains(newest):
     print(f"refresh_lock: transformers {newest} is out, beyond the supported {supported}; to "

@@ -28,7 +28,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.hf_remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS  # noqa: E402
+from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS  # noqa: E402
 
 TESTS = ["tests/test_hf_remote.py", "tests/test_hf_export.py"]
 VENVS = ROOT / ".venv-hf"

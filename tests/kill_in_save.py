@@ -21,7 +21,7 @@ def main(step: int, argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    dist_checkpointing.save = save_then_die  # pretrain.checkpoint calls it through the module
+    dist_checkpointing.save = save_then_die  # pretrain.run.checkpoint calls it through the module
     from pretrain.__main__ import main as pretrain_main
 
     return pretrain_main(argv)

@@ -129,7 +129,7 @@ def run_fresh(layout: dict, cases: dict[str, tuple[str, dict]], workdir: str,
 def run_llama_import(folder: str, model, workdir: str) -> None:
     """Load a Hugging Face Llama into ``model`` at TP=2 x PP=2 and write the mean loss of the
     parity batches."""
-    from pretrain import hf_llama
+    from pretrain.hf import llama as hf_llama
 
     par = ParallelConfig(tp=2, pp=2, distributed_optimizer=False)
     parallel.initialize(par)

@@ -114,7 +114,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
-    """Training loss per step (the last record of each step wins, see pretrain.metrics)."""
+    """Training loss per step (the last record of each step wins, see pretrain.report.metrics)."""
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
 
 

@@ -82,8 +82,8 @@ def test_valid_layout_builds_config():
 def test_user_errors_come_by_kind(tmp_path):
     """One base class for every user mistake (the CLI's one-line exit 2), one subclass per kind
     of input: a bad field, a missing data file, a missing checkpoint."""
-    from pretrain import checkpoint
-    from pretrain.tokenizer import open_tokenizer
+    from pretrain.data.tokenizer import open_tokenizer
+    from pretrain.run import checkpoint
     from runtime.errors import CheckpointError, DataError, UserError
 
     with pytest.raises(ConfigError):

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from pretrain.config import load_config
-from pretrain.progress import clock
+from pretrain.report.progress import clock
 from runtime.errors import ConfigError
 from tests.pretrain_fixtures import cli, train_args
 
@@ -126,7 +126,7 @@ def test_a_failed_first_start_leaves_the_run_folder_usable(data, tmp_path):
 
 _LIVE_LINE = """
 import time
-from pretrain.progress import Progress
+from pretrain.report.progress import Progress
 progress = Progress(0, 4)
 progress.begin()
 for step in range(1, 5):

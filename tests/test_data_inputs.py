@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pretrain.documents import iter_documents
-from pretrain.prepare import prepare_data
+from pretrain.data.documents import iter_documents
+from pretrain.data.prepare import prepare_data
 from runtime.errors import DataError
 from tests.pretrain_fixtures import cli
 

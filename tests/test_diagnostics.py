@@ -14,7 +14,7 @@ from model.builder import build_model, wrap_ddp
 from model.config import ParallelConfig
 from model.schemes import PositionEmbedding
 from pretrain.config import load_config
-from pretrain.diagnostics import LossSpikeDetector, StreamDiagnostics, build
+from pretrain.train.diagnostics import LossSpikeDetector, StreamDiagnostics, build
 from runtime import weights
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
@@ -244,8 +244,8 @@ def test_run_logs_correct_diagnostics_to_jsonl_and_wandb(single_rank, logged_run
     assert [r["step"] for r in rows] == [1, 2]
     config = load_config(str(logged_run / "config.toml"))
     # Recompute step 2 by hand: the step-1 checkpoint's weights on the batch step 2 trained on.
-    from pretrain.data import build_datasets, step_microbatches
-    from pretrain.tokenizer import open_tokenizer
+    from pretrain.data.batches import build_datasets, step_microbatches
+    from pretrain.data.tokenizer import open_tokenizer
 
     (model,) = build_model(config.model, config.parallel)
     weights.load([model], logged_run / "checkpoints" / "step_00000001")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from pretrain.config import load_config
-from pretrain.dry_run import Fusions, activation_bytes
+from pretrain.report.dry_run import Fusions, activation_bytes
 
 PAPER_1_3B = ["--model.num_layers=16", "--model.hidden_size=2048",
               "--model.num_attention_heads=32", "--model.num_query_groups=8",

@@ -7,8 +7,8 @@ import torch
 
 from model.builder import build_model
 from pretrain.config import load_config
-from pretrain.generate import Sampling, continue_tokens, next_token
-from pretrain.tokenizer import open_tokenizer
+from pretrain.data.tokenizer import open_tokenizer
+from pretrain.unsharded.generate import Sampling, continue_tokens, next_token
 from runtime import weights
 from runtime.errors import ConfigError
 from tests.pretrain_fixtures import cli

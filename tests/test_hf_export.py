@@ -13,8 +13,8 @@ import torch
 
 from model.builder import build_model
 from pretrain.config import load_config
-from pretrain.generate import Sampling, continue_tokens
-from pretrain.hf_tokenizer_export import convert
+from pretrain.hf.tokenizer_export import convert
+from pretrain.unsharded.generate import Sampling, continue_tokens
 from runtime import weights
 from tests.hf_side import transformers_side
 from tests.pretrain_fixtures import cli, train_args
@@ -82,7 +82,7 @@ def test_the_exported_tokenizer_reproduces_sentencepiece(trained_run, data, tmp_
 
 def test_a_unigram_tokenizer_is_not_converted(data, tmp_path):
     """Unigram's tie-breaking differs between the libraries: no tokenizer.json, a reason."""
-    from pretrain.tokenizer import train_tokenizer
+    from pretrain.data.tokenizer import train_tokenizer
 
     model = train_tokenizer([data["corpus"]], str(tmp_path / "uni"), 600, "unigram")
     converted, why = convert(model)

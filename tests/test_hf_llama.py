@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.builder import build_model
 from model.config import ParallelConfig
-from pretrain import hf_llama
+from pretrain.hf import llama as hf_llama
 from runtime.errors import CheckpointError
 from tests.helpers import batches, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_llama_import

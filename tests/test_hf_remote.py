@@ -27,11 +27,11 @@ from packaging.version import Version
 
 from model.builder import build_model
 from model.config import ParallelConfig
-from pretrain import hf_export
-from pretrain.generate import Sampling, continue_tokens
-from pretrain.hf_export import write_folder
-from pretrain.hf_remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
-from pretrain.tokenizer import open_tokenizer
+from pretrain.data.tokenizer import open_tokenizer
+from pretrain.hf import export as hf_export
+from pretrain.hf.export import write_folder
+from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
+from pretrain.unsharded.generate import Sampling, continue_tokens
 from tests.helpers import tiny_model
 from tests.hf_side import isolated, transformers_side
 

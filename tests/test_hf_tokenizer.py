@@ -12,8 +12,8 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pretrain.documents import iter_documents
-from pretrain.tokenizer import open_tokenizer
+from pretrain.data.documents import iter_documents
+from pretrain.data.tokenizer import open_tokenizer
 from runtime.errors import DataError
 from tests.pretrain_fixtures import cli, train_args
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from model.builder import build_model, wrap_ddp
-from pretrain import checkpoint, identity
 from pretrain.config import Config
-from pretrain.identity import model_identity
 from pretrain.optim import build_optimizer
-from pretrain.start import weights_source
+from pretrain.run import checkpoint, identity
+from pretrain.run.checkpoint import weights_source
+from pretrain.run.identity import model_identity
 from runtime import weights
 from runtime.errors import CheckpointError
 from tests.fixtures.make_legacy_checkpoints import FIXTURES, TOKENS, config_for, logits

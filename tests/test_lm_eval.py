@@ -8,7 +8,7 @@ import torch
 
 from model.builder import build_model
 from pretrain.config import load_config
-from pretrain.tokenizer import open_tokenizer
+from pretrain.data.tokenizer import open_tokenizer
 from runtime import weights
 from tests.pretrain_fixtures import cli
 from tests.wandb_reader import read_run

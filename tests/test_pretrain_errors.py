@@ -350,8 +350,8 @@ def _isolated(monkeypatch, tmp_path):
     def no_setup(*_args, **_kwargs):
         raise AssertionError("the checks let this case through to the model set-up")
 
-    monkeypatch.setattr("pretrain.train.setup", no_setup)
-    monkeypatch.setattr("pretrain.evaluate.setup", no_setup)
+    monkeypatch.setattr("pretrain.train.loop.setup", no_setup)
+    monkeypatch.setattr("pretrain.train.evaluate.setup", no_setup)
     # main() tears process groups down at exit; here they are the test session's
     monkeypatch.setattr("runtime.parallel.destroy", lambda: None)
     try:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain import checkpoint
-from pretrain.train import weights_finite
+from pretrain.run import checkpoint
+from pretrain.train.loop import weights_finite
 from tests.pretrain_fixtures import (
     REPO,
     cli,

@@ -1,7 +1,7 @@
 """What each residual scheme's layer keeps for backward, counted tensor by tensor on the real
 model (Triton norms, interpreted on a CPU machine), against the dry run's per-layer estimate.
 
-The estimate (``pretrain.dry_run``) is derived from the code's design, tensor by tensor; the
+The estimate (``pretrain.report.dry_run``) is derived from the code's design, tensor by tensor; the
 count comes from autograd's saved-tensor hooks (``bench.saved_activations``), so a module that
 starts keeping one more activation, or a kernel that stops keeping one, shows here. The estimate
 leaves out two small terms, which bound the allowed gap: RoPE's cos/sin (4 x head_dim values

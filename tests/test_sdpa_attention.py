@@ -186,10 +186,10 @@ PROBE = textwrap.dedent("""
     gated = ours(attempts)
     loaded = "transformer_engine" in sys.modules
     # Control: pretend CUDA exists; the same check must now try to import TE itself.
-    import model.backends as backends
+    from runtime import device
     torch.cuda.is_available = lambda: True
-    backends._te_importable.cache_clear()
-    backends.te_available()
+    device.te_importable.cache_clear()
+    te_available()
     print(json.dumps({"ours": gated, "loaded": loaded, "available": available,
                       "megatron_tried": len(attempts) - len(gated),
                       "ungated": ours(attempts)[len(gated):]}))

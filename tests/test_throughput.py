@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pretrain import throughput
 from pretrain.config import load_config
-from pretrain.throughput import Throughput, flops_per_token, peak_tflops
-from pretrain.train import step_status
+from pretrain.report import throughput
+from pretrain.report.throughput import Throughput, flops_per_token, peak_tflops
+from pretrain.train.loop import step_status
 from runtime import device
 from tests.pretrain_fixtures import REPO, env
 

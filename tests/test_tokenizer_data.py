@@ -18,10 +18,10 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from megatron.core.datasets.utils import Split
 
-from pretrain import prepare
-from pretrain.documents import iter_documents
-from pretrain.prepare import check_dataset, prepare_data
-from pretrain.tokenizer import (
+from pretrain.data import prepare
+from pretrain.data.documents import iter_documents
+from pretrain.data.prepare import check_dataset, prepare_data
+from pretrain.data.tokenizer import (
     BOS,
     EOS,
     PAD,

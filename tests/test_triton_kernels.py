@@ -230,9 +230,9 @@ def test_mlp_entry_recomputing_u_from_the_layer_input(rows, hidden, kind, dtype)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_dual_update_into_packed(rows, hidden, dtype):
     u, y, r = inputs((rows, 1, hidden), dtype, 3)
-    got = run(lambda t, _: [packed_update(*t, 6.0 ** 0.5, TRITON)], [u, y, r], None)
+    got = run(lambda t, _: [packed_update(TRITON)(*t, 6.0 ** 0.5)], [u, y, r], None)
     fp32 = [t.detach().float().requires_grad_() for t in (u, y, r)]
-    want = run(lambda t, _: [packed_update(*t, 6.0 ** 0.5, TORCH)], fp32, None)
+    want = run(lambda t, _: [packed_update(TORCH)(*t, 6.0 ** 0.5)], fp32, None)
     errors = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
     assert max(errors) <= TOLERANCE[dtype], errors
 

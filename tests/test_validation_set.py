@@ -13,9 +13,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from model.builder import build_model, wrap_ddp
 from pretrain.config import load_config
-from pretrain.data import _dataset_config, build_datasets, check_data
-from pretrain.tokenizer import open_tokenizer
-from pretrain.train import evaluate
+from pretrain.data.batches import _dataset_config, build_datasets, check_data
+from pretrain.data.tokenizer import open_tokenizer
+from pretrain.train.evaluate import evaluate
 from runtime.errors import ConfigError, DataError
 from tests.pretrain_fixtures import REPO, TINY
 

@@ -1,1 +1,25 @@
-"""One layer class per residual scheme; ``pre`` is megatron's own TransformerLayer."""
+"""One file per residual scheme, each saying which layer class builds each block.
+
+A scheme's file holds ``layer(model, index)`` and optionally ``final_norm(model, norm)``,
+``scale_init(model, key, weight)`` and ``FIXED_INIT`` (parameter suffixes the random init
+leaves alone). ``pre`` is megatron's own TransformerLayer; the shared classes live in
+``base``, ``two_stream`` and ``merge``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from model.layers import deepnorm, hc, hybridnorm, mixln, post, pre, siamese, siamese_hybrid
+from model.schemes import ResidualScheme
+
+SCHEME_FILES: dict[ResidualScheme, ModuleType] = {
+    ResidualScheme.PRE: pre,
+    ResidualScheme.POST: post,
+    ResidualScheme.SIAMESE: siamese,
+    ResidualScheme.SIAMESE_HYBRID: siamese_hybrid,
+    ResidualScheme.DEEPNORM: deepnorm,
+    ResidualScheme.HYBRIDNORM: hybridnorm,
+    ResidualScheme.MIXLN: mixln,
+    ResidualScheme.HC: hc,
+}

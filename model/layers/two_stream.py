@@ -16,6 +16,7 @@ pass, and the MLP's update is written straight into the packed tensor the next l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
@@ -72,14 +73,24 @@ CHECKPOINT_NAMES = {f"{sub}_norms.{part}.": f"{sub}_{name}_norm."
                     for part, name in (("post", "post"), ("pre", "pre"), ("inp", "in"))}
 
 
-def packed_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float,
-                  backend: NormBackend) -> torch.Tensor:
-    """pack(u + r / c, y + r); with triton one kernel writes both halves in place."""
-    if backend is NormBackend.TRITON:
-        from kernels import triton_ops
+PackedUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
-        return triton_ops.dual_update(u, y, r, c, streams.empty(u), streams.unpack)
+
+def _torch_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float) -> torch.Tensor:
     return streams.pack(u + r / c, y + r)
+
+
+def _triton_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float) -> torch.Tensor:
+    from kernels import triton_ops
+
+    return triton_ops.dual_update(u, y, r, c, streams.empty(u), streams.unpack)
+
+
+def packed_update(backend: NormBackend) -> PackedUpdate:
+    """``update(u, y, r, c) = pack(u + r / c, y + r)`` for ``backend``, chosen once when a
+    layer is built (as every other kernel choice): with triton one kernel writes both halves
+    in place."""
+    return _triton_update if backend is NormBackend.TRITON else _torch_update
 
 
 def siamese_params(model) -> dict:
@@ -103,6 +114,7 @@ class TwoStreamLayer(SchemeLayer):
         # c_l = sqrt(2 (l + 1)) for global block index l; ``layer_number`` is global and
         # 1-based, so pipeline stages agree with the unsharded model. 1: the paper's ablation.
         self.c = math.sqrt(2.0 * self.layer_number) if depth_constant else 1.0
+        self.dual_update = packed_update(self.backend)
 
     def sublayer_norms(self, post: bool = True) -> SublayerNorms:
         return SublayerNorms(self.build_norm, self.backend, post=post, inp=self.input_norm)
@@ -116,7 +128,7 @@ class TwoStreamLayer(SchemeLayer):
     def streams_out(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """The last update, x = u + r / c_l and y = y + r, as the packed tensor the next layer
         reads."""
-        return packed_update(u, y, r, self.c, self.backend)
+        return self.dual_update(u, y, r, self.c)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None):

@@ -21,7 +21,7 @@ import torch
 
 from model.config import require
 from pretrain.config import Config
-from pretrain.whole_model import load_whole, single_process
+from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime import device
 
 

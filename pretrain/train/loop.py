@@ -4,7 +4,7 @@ Per step: the step's micro-batches go through megatron's schedule, the loss and 
 checked for NaN/Inf (a bad step is skipped and counted; too many in a row abort), the
 optimizer and LR schedule step, and metrics, validation and checkpoints follow their
 intervals. SIGTERM/SIGUSR1 finish the current step, save, and return normally; during
-start-up they stop the run before its first step, with nothing to save (pretrain.stop).
+start-up they stop the run before its first step, with nothing to save (pretrain.run.stop).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -20,25 +19,32 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.module import Float16Module
 
-from model.builder import build_model, count_parameters, wrap_ddp
-from pretrain import checkpoint, console, diagnostics, hf_llama
-from pretrain.config import Config, ParamsDtype, validate
-from pretrain.data import build_datasets, check_data, microbatches_per_step, step_microbatches
-from pretrain.dry_run import human
-from pretrain.identity import DataPosition
-from pretrain.lock import RunLock
-from pretrain.metrics import MetricsLogger, check_wandb, is_logging_rank
+from model.builder import count_parameters
+from pretrain.build import params_dtype, preflight, setup
+from pretrain.config import Config
+from pretrain.data.batches import (
+    build_datasets,
+    microbatches_per_step,
+    step_microbatches,
+)
+from pretrain.data.position import DataPosition
+from pretrain.hf import llama as hf_llama
 from pretrain.optim import build_optimizer
-from pretrain.progress import Progress
-from pretrain.rundir import prepare_run_dir, run_metadata
-from pretrain.start import StartPoint, check_start, sha256
-from pretrain.stop import StopRequest
-from pretrain.throughput import Throughput
-from pretrain.tokenizer import Tokenizer, open_tokenizer
+from pretrain.report import console
+from pretrain.report.metrics import MetricsLogger, check_wandb, is_logging_rank
+from pretrain.report.progress import Progress
+from pretrain.report.throughput import Throughput
+from pretrain.report.units import human
+from pretrain.run import checkpoint
+from pretrain.run.folder import prepare_run_dir, run_metadata
+from pretrain.run.lock import RunLock
+from pretrain.run.stop import StopRequest
+from pretrain.train import diagnostics
+from pretrain.train.evaluate import evaluate, loss_share
+from pretrain.train.start import StartPoint, check_start, sha256
 from runtime import device, parallel, weights
-from runtime.errors import CheckpointError, ConfigError
+from runtime.errors import CheckpointError
 from runtime.schedule import forward_backward
 
 log = logging.getLogger("pretrain")
@@ -46,13 +52,6 @@ log = logging.getLogger("pretrain")
 
 class TrainingAborted(RuntimeError):
     """The run cannot continue (e.g. too many consecutive non-finite steps)."""
-
-
-def params_dtype(config: Config) -> torch.dtype:
-    choice = config.run.params_dtype
-    if choice is ParamsDtype.AUTO:
-        return torch.bfloat16 if device.uses_cuda() else torch.float32
-    return {ParamsDtype.FP32: torch.float32, ParamsDtype.BF16: torch.bfloat16}[choice]
 
 
 class StepStatus(NamedTuple):
@@ -64,20 +63,10 @@ class StepStatus(NamedTuple):
     """Some rank was asked (by a signal) to stop."""
 
 
-def _loss_share(losses: list[torch.Tensor]) -> torch.Tensor:
-    """This rank's [mean micro-batch loss, weight] towards the batch loss (float64, on the
-    compute device): only the logging ranks of the last pipeline stage (first TP rank) hold a
-    loss; the others add [0, 0]."""
-    share = torch.zeros(2, dtype=torch.float64, device=device.compute_device())
-    if losses and parallel_state.get_tensor_model_parallel_rank() == 0:
-        share[0], share[1] = torch.stack(losses).double().mean(), 1.0
-    return share
-
-
 def step_status(losses: list[torch.Tensor], chunks, stop: StopRequest) -> StepStatus:
     """Everything a step's host-side decisions need, agreed by every rank in one all-reduce
     and read back to the host once (one synchronisation per step)."""
-    share = _loss_share(losses)
+    share = loss_share(losses)
     nonfinite = sum((~torch.isfinite(buffer.grad_data).all() for chunk in chunks
                      for buffer in chunk.buffers), share.new_zeros(()))
     totals = torch.cat([share, nonfinite.reshape(1), share.new_tensor([stop.requested])])
@@ -85,37 +74,6 @@ def step_status(losses: list[torch.Tensor], chunks, stop: StopRequest) -> StepSt
     loss_sum, holders, bad, stops = totals.tolist()
     mean = loss_sum / holders
     return StepStatus(mean, math.isfinite(mean) and bad == 0, stops > 0)
-
-
-def _mean_loss(per_batch: list[list[torch.Tensor]]) -> float:
-    """The mean over batches of the batch loss (mean over data-parallel replicas), read back
-    once."""
-    totals = torch.stack([_loss_share(losses) for losses in per_batch])
-    dist.all_reduce(totals)
-    return float((totals[:, 0] / totals[:, 1]).mean())
-
-
-def evaluate(config: Config, chunks, dataset) -> dict:
-    """Mean validation loss over the whole validation set (data.valid_samples sequences from
-    its start, in full global batches, so the mean of batch means is the mean over
-    sequences), its perplexity, and the set's size (logged with them, so a number is never
-    read without the set it was measured on)."""
-    d = config.data
-    for chunk in chunks:
-        chunk.eval()
-    per_batch = []
-    with torch.no_grad():
-        for i in range(d.valid_samples // d.global_batch_size):
-            batch = step_microbatches(dataset, i * d.global_batch_size, d.global_batch_size,
-                                      d.micro_batch_size)
-            n = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
-            per_batch.append(forward_backward(
-                chunks, batch, n, config.seq_length, d.micro_batch_size, forward_only=True))
-    for chunk in chunks:
-        chunk.train()
-    loss = _mean_loss(per_batch)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)),
-            "val_samples": d.valid_samples}
 
 
 def weights_finite(chunks) -> bool:
@@ -132,34 +90,6 @@ def _model_parameters(chunks) -> int:
                          device=device.compute_device())
     dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return int(total.item())
-
-
-def preflight(config: Config, training: bool = True) -> Tokenizer:
-    """Every check that needs no process group or model (the layout against the launch, the
-    tokenizer, the data), so a mistake fails in seconds; returns the tokenizer. Shared by
-    training and evaluation (``training=False``: the LR schedule is not checked)."""
-    # The layout against the launch before megatron builds groups (it would assert).
-    validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)), training=training)
-    tokenizer = open_tokenizer(config.data.tokenizer)
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
-                          f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
-                          f"{config.data.tokenizer})")
-    check_data(config, tokenizer)
-    return tokenizer
-
-
-def setup(config: Config) -> list:
-    """Process groups and the DDP-wrapped model chunks (after :func:`preflight`)."""
-    if config.run.deterministic:  # before NCCL and cuBLAS start
-        device.make_deterministic()
-    parallel.initialize(config.parallel, seed=config.run.seed)
-    dtype = params_dtype(config)
-    chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend,
-                         seed=config.run.seed)
-    if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    return wrap_ddp(chunks, config.parallel)
 
 
 def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:

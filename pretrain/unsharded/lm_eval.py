@@ -24,12 +24,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from pretrain.checkpoint import read_record
 from pretrain.config import Config
-from pretrain.generate import Sampling, continue_tokens
-from pretrain.metrics import MetricsLogger, strict_json
-from pretrain.tokenizer import Tokenizer
-from pretrain.whole_model import load_whole, single_process
+from pretrain.data.tokenizer import Tokenizer
+from pretrain.report.metrics import MetricsLogger, strict_json
+from pretrain.run.checkpoint import read_record
+from pretrain.unsharded.generate import Sampling, continue_tokens
+from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime import device
 from runtime.errors import ConfigError
 

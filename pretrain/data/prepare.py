@@ -24,9 +24,9 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from pretrain.documents import check_input, iter_documents
+from pretrain.data.documents import check_input, iter_documents
+from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.paths import require_creatable, require_file
-from pretrain.tokenizer import Tokenizer, open_tokenizer
 from runtime.errors import ConfigError, DataError
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
@@ -97,7 +97,7 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> tuple[int, int]:
 
 def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
                  workers: int = 1, text_field: str = "text") -> dict:
-    """Tokenise the documents of ``inputs`` (in order; any format of ``pretrain.documents``,
+    """Tokenise the documents of ``inputs`` (in order; any format of ``pretrain.data.documents``,
     text read from ``text_field``) into ``output_prefix``.bin/.idx.
 
     Returns {"documents", "tokens" (EOD included), "dtype", "prefix"}.

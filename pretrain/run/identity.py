@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 from pretrain.config import Config
 from runtime.errors import CheckpointError
@@ -71,26 +71,6 @@ def data_identity(config: Config) -> dict[str, Any]:
         "split": d.split, "seed": config.run.seed,
         "global_batch_size": d.global_batch_size, "seq_length": config.seq_length,
     }
-
-
-class DataPosition(NamedTuple):
-    """How far into its data a run is: at optimizer step ``step``, ``samples`` sequences and
-    ``tokens`` tokens were consumed. A run with an unchanged batch has samples = step x batch;
-    after an allowed batch change the offsets carry the earlier part of the run."""
-
-    step: int = 0
-    samples: int = 0
-    tokens: int = 0
-
-    def advance(self, step: int, global_batch: int, seq_length: int) -> DataPosition:
-        """The position at ``step`` (>= self.step) with this batch and sequence length."""
-        done = step - self.step
-        return DataPosition(step, self.samples + done * global_batch,
-                            self.tokens + done * global_batch * seq_length)
-
-
-START = DataPosition()
-"""A fresh run's position."""
 
 
 def run_identity(config: Config) -> dict[str, Any]:

@@ -10,9 +10,9 @@ A checkpoint is written into ``.step_<n>.tmp`` and renamed only once every rank 
 full disk during a save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays
 the latest. Resuming takes the newest complete checkpoint (``latest`` is only a hint). Model
 and optimizer tensors carry global keys, so a checkpoint loads under any TP/PP/VP layout.
-``complete.json`` also records what the checkpoint is (:mod:`pretrain.identity`): its model,
+``complete.json`` also records what the checkpoint is (:mod:`pretrain.run.identity`): its model,
 its data and data position, checked before any tensor is read. Weights that are not finite
-are never saved (pretrain.train checks before each save).
+are never saved (pretrain.train.loop checks before each save).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from pretrain.identity import DataPosition
+from pretrain.data.position import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
+from pretrain.run import identity
 from runtime import device, weights
 from runtime.errors import CheckpointError
 from runtime.parallel import any_rank
@@ -205,3 +206,11 @@ def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
     if record["world_size"] == dist.get_world_size():  # RNG streams are per rank of a layout
         _set_rng_state(torch.load(directory / "rng" / f"rank{dist.get_rank()}.pt",
                                   weights_only=False))
+
+
+def weights_source(path: str, model: dict) -> Path:
+    """The checkpoint ``path`` names (for eval and run.init_from), after checking that it
+    holds the model ``model`` (:func:`pretrain.run.identity.model_identity`)."""
+    found = find(Path(path))
+    identity.check_model(read_record(found).get("model"), model, found)
+    return found

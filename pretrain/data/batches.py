@@ -5,7 +5,7 @@ split train/valid/test by document). Batches are then cut deterministically from
 sample index: optimizer step k uses samples [k * G, (k + 1) * G), split into micro-batches,
 each data-parallel rank taking its slice. The data position of a run is therefore its step
 count (and, after an allowed batch change, the samples consumed before it: see
-pretrain.identity.DataPosition), which is what checkpoints store; resuming needs no sampler
+pretrain.data.position.DataPosition), which is what checkpoints store; resuming needs no sampler
 state. megatron's sample-index cache is checked before it is read (megatron writes it
 non-atomically, so a killed start can leave a truncated file that it would trust).
 """
@@ -32,9 +32,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import normalize
 
 from pretrain.config import Config
-from pretrain.dry_run import human
-from pretrain.identity import START, DataPosition
-from pretrain.prepare import check_dataset
+from pretrain.data.position import START, DataPosition
+from pretrain.data.prepare import check_dataset
+from pretrain.report.units import human
 from runtime import device
 from runtime.errors import ConfigError, DataError
 

@@ -12,18 +12,10 @@ from model.builder import build_model, count_parameters
 from model.config import ModelConfig, ParallelConfig
 from model.megatron_config import transformer_config
 from model.schemes import Activation, FinalNorm, Recompute
-from pretrain.config import Config, validate
-from pretrain.rundir import to_toml
-from pretrain.throughput import flops_per_token
+from pretrain.config import Config, to_toml, validate
+from pretrain.report.throughput import flops_per_token
+from pretrain.report.units import human
 from runtime import cpu_compat, parallel
-
-
-def human(n: float) -> str:
-    for unit in ("", "K", "M", "B", "T"):
-        if abs(n) < 1000:
-            return f"{n:.2f}{unit}" if unit else f"{n:.0f}"
-        n /= 1000
-    return f"{n:.2f}P"
 
 
 @dataclass(frozen=True)

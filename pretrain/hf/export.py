@@ -1,19 +1,19 @@
 """``export-hf``: a checkpoint of any scheme and parallel layout as a Hugging Face model folder.
 
-The checkpoint is loaded whole into one process (``pretrain.whole_model``) and every tensor is
-assembled under its global name (:func:`global_tensors`). Then:
+The checkpoint is loaded whole into one process (``pretrain.unsharded.whole_model``) and
+every tensor is assembled under its global name (:func:`global_tensors`). Then:
 
 - a ``pre`` model with RMSNorm, SwiGLU, RoPE and no linear biases is a Llama: its tensors are
   laid out as Llama's (fused Q/K/V split per K/V group, fc1 split into gate and up) and the
   folder loads with ``AutoModelForCausalLM`` and no code at all;
-- every other model gets the remote-code files of ``pretrain/hf_remote`` (one modeling file
+- every other model gets the remote-code files of ``pretrain/hf/remote`` (one modeling file
   written from the schemes' equations, with a KV cache for generation) and keeps the
   checkpoint's own parameter names, prefixed ``model.``; it loads with
   ``trust_remote_code=True``.
 
 Either way the vocabulary padding is dropped, weights go to ``safetensors`` (shards of at most
 ``SHARD_BYTES`` with an index, as ``transformers`` writes them), next to ``config.json``,
-``generation_config.json`` and the tokenizer (``pretrain.hf_tokenizer_export``).
+``generation_config.json`` and the tokenizer (``pretrain.hf.tokenizer_export``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,16 @@ import torch
 
 from model.config import ModelConfig
 from model.init import local_tensors
-from pretrain import hf_llama
 from pretrain.config import Config
-from pretrain.hf_tokenizer_export import write_tokenizer
+from pretrain.data.tokenizer import Tokenizer
+from pretrain.hf import llama as hf_llama
+from pretrain.hf.tokenizer_export import write_tokenizer
 from pretrain.paths import require_creatable
-from pretrain.tokenizer import Tokenizer
-from pretrain.whole_model import load_whole, single_process
+from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime.errors import ConfigError
 
 SHARD_BYTES = 5 * 2**30
-REMOTE_CODE = Path(__file__).parent / "hf_remote"
+REMOTE_CODE = Path(__file__).parent / "remote"
 REMOTE_FILES = ("configuration_siamesenorm.py", "modeling_siamesenorm.py")
 # megatron names Pre-Norm blocks' norms after the projection they are fused into
 _PRE_NORM_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 from model.config import ParallelConfig, require
-from pretrain import identity
+from pretrain.build import setup
 from pretrain.config import Config, validate
-from pretrain.start import weights_source
-from pretrain.tokenizer import Tokenizer, open_tokenizer
-from pretrain.train import setup
+from pretrain.data.tokenizer import Tokenizer, open_tokenizer
+from pretrain.run import identity
+from pretrain.run.checkpoint import weights_source
 from runtime import weights
 from runtime.errors import ConfigError
 

@@ -1,7 +1,7 @@
 """Where a run starts, checked before a process group, a model or the run folder is touched.
 
 A resume must be of the same model (always) on the same data (unless allowed: see
-pretrain.identity), from a run folder whose config.toml was not edited behind the command's
+pretrain.run.identity), from a run folder whose config.toml was not edited behind the command's
 back; ``run.init_from`` must hold the same model. All of it reads only small files, so a
 mistake fails in seconds.
 """
@@ -12,16 +12,17 @@ import hashlib
 from pathlib import Path
 from typing import NamedTuple
 
-from pretrain import checkpoint, hf_llama, identity
 from pretrain.config import Config
-from pretrain.identity import START, DataPosition
+from pretrain.data.position import START, DataPosition
+from pretrain.hf import llama as hf_llama
+from pretrain.run import checkpoint, identity
 from runtime.errors import ConfigError
 
 
 class StartPoint(NamedTuple):
     """Where a run begins: the checkpoint it resumes (None: a fresh run), that checkpoint's
     record and the data position; the checkpoint whose weights a fresh run starts from
-    (run.init_from), and this run's identity (pretrain.identity.run_identity)."""
+    (run.init_from), and this run's identity (pretrain.run.identity.run_identity)."""
 
     previous: Path | None
     record: dict
@@ -49,21 +50,13 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def weights_source(path: str, model: dict) -> Path:
-    """The checkpoint ``path`` names (for eval and run.init_from), after checking that it
-    holds the model ``model`` (:func:`pretrain.identity.model_identity`)."""
-    found = checkpoint.find(Path(path))
-    identity.check_model(checkpoint.read_record(found).get("model"), model, found)
-    return found
-
-
 def _init_source(path: str, config: Config, model: dict) -> Path:
     """run.init_from: a megatron checkpoint of this model, or a Hugging Face Llama folder
-    whose config matches it (``pretrain.hf_llama``)."""
+    whose config matches it (``pretrain.hf.llama``)."""
     if hf_llama.is_hf_folder(path):
         hf_llama.check(path, config.model)
         return Path(path)
-    return weights_source(path, model)
+    return checkpoint.weights_source(path, model)
 
 
 def check_start(config: Config, config_path: str | None) -> StartPoint:

@@ -1,5 +1,5 @@
 """Tokenizers: sentencepiece (trained here from text/JSONL) and Hugging Face ``tokenizer.json``
-files (``pretrain.hf_tokenizer``); :func:`open_tokenizer` gives the object megatron's datasets
+files (``pretrain.data.hf_tokenizer``); :func:`open_tokenizer` gives the object megatron's datasets
 use for either.
 
 Special ids are fixed: unk 0, bos 1, eos 2, pad 3. ``eos`` is the end-of-document token (EOD)
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from pretrain.documents import check_input, iter_documents
-from pretrain.hf_tokenizer import HFTokenizer, is_hf_tokenizer
+from pretrain.data.documents import check_input, iter_documents
+from pretrain.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer
 from pretrain.paths import require_creatable, require_file
 from runtime.errors import ConfigError, DataError
 

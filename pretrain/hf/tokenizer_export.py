@@ -19,8 +19,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from pretrain.hf_tokenizer import is_hf_tokenizer
-from pretrain.tokenizer import Tokenizer
+from pretrain.data.hf_tokenizer import is_hf_tokenizer
+from pretrain.data.tokenizer import Tokenizer
 
 log = logging.getLogger("pretrain")
 

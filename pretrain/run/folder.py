@@ -2,8 +2,8 @@
 
     <run.dir>/config.toml       resolved config (config-resume-N.toml when a resume differs)
     <run.dir>/versions.json     python, torch, megatron-core, git commit, world size
-    <run.dir>/metrics.jsonl     one JSON object per logged step (pretrain.metrics)
-    <run.dir>/checkpoints/      pretrain.checkpoint
+    <run.dir>/metrics.jsonl     one JSON object per logged step (pretrain.report.metrics)
+    <run.dir>/checkpoints/      pretrain.run.checkpoint
     <run.dir>/wandb/            W&B run files (offline runs sync with `wandb sync`)
 """
 
@@ -18,20 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.config import Config
+from pretrain.config import Config, to_toml
 from runtime import device
 from runtime.errors import ConfigError
-
-
-def to_toml(config: Config) -> str:
-    lines = []
-    for section, values in config.to_dict().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {json.dumps(value)}")
-        lines.append("")
-    return "\n".join(lines)
 
 
 def run_metadata(parameters: int) -> dict:

@@ -1,0 +1,122 @@
+"""The command line of ``python -m pretrain``: its commands, their arguments, and which config
+a command reads when ``--config`` is not given.
+
+Kept apart from the entry point (``pretrain/__main__.py``, which installs signal handlers when
+imported) so ``launch.finished`` resolves a run folder exactly as training does.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runtime.errors import ConfigError
+
+OVERRIDES_HELP = """\
+Any config field can be set on the command line as --section.key=value (command line >
+--config file > its base files > defaults), for example:
+  --optim.lr=1e-3 --run.dir=runs/lr1e-3 --model.num_layers=12 --run.deterministic=true
+Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
+  (--data.prefixes=data/a --data.prefixes=data/b), or TOML (--data.prefixes='["data/a"]');
+  --data.weights=0.3,0.7. Megatron-LM's weighted form ["0.3", "data/a", "0.7", "data/b"] is
+  accepted too. Sections: model, parallel, optim, data, run, logging, kernels, diagnostics;
+  every field is documented in model/config.py and pretrain/config.py.
+Without --config, train, eval and generate use the config.toml of the run folder named by
+--run.dir (eval and generate: the run folder holding --checkpoint)."""
+# read a checkpoint, take config overrides
+CHECKPOINT_COMMANDS = ("eval", "generate", "export-hf", "lm-eval")
+INPUTS_HELP = (".jsonl/.json[.gz] (one document per line), .parquet, .arrow, a datasets "
+               "save_to_disk folder, or text[.gz] (paragraph = document)")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other user mistake
+        raise ConfigError(f"command line: {message}")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m pretrain`` (also read by ``launch.finished``)."""
+    p = _Parser(prog="python -m pretrain",
+                description="tokenizers, data, training, evaluation, text, export")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    t = sub.add_parser("train-tokenizer", help="train a sentencepiece tokenizer")
+    t.add_argument("inputs", nargs="+", help=INPUTS_HELP)
+    t.add_argument("--output", required=True, help="output prefix (writes PREFIX.model)")
+    t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
+                   help="sentencepiece model type (pretrain.data.tokenizer.ModelType)")
+
+    d = sub.add_parser("prepare-data", help="tokenise text into a Megatron indexed dataset")
+    d.add_argument("inputs", nargs="+", help=INPUTS_HELP)
+    d.add_argument("--tokenizer", required=True,
+                   help="sentencepiece .model file, or a Hugging Face tokenizer.json or its folder")
+    d.add_argument("--output", required=True, help="output prefix (PREFIX.bin/.idx)")
+    d.add_argument("--workers", type=int, default=1)
+    for command in (t, d):
+        command.add_argument("--text-field", default="text",
+                             help="the text field (JSON lines) or column (tables) to read")
+
+    for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
+                       ("eval", "validation loss and perplexity of a checkpoint"),
+                       ("generate", "sample text from a checkpoint (greedy or seeded)"),
+                       ("export-hf", "write a checkpoint as a Hugging Face model folder"),
+                       ("lm-eval", "score lm-evaluation-harness tasks with a checkpoint")):
+        c = sub.add_parser(name, help=text, description=text, epilog=OVERRIDES_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        c.add_argument("--config", help="TOML file (configs/*.toml)")
+        if name == "train":
+            c.add_argument("--dry-run", action="store_true",
+                           help="print the resolved config, sizes and layout, then exit")
+        else:
+            c.add_argument("--checkpoint", required=True,
+                           help="a checkpoint folder, or a run's checkpoints/ folder")
+        if name == "export-hf":
+            c.add_argument("--output", required=True, help="a new folder")
+        if name == "lm-eval":
+            c.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
+            c.add_argument("--include-path", help="a folder of local task YAML files")
+            c.add_argument("--num-fewshot", type=int)
+            c.add_argument("--limit", type=int, help="at most this many documents per task")
+        if name == "generate":
+            c.add_argument("--prompt", action="append", required=True,
+                           help="text to continue (repeat for several prompts)")
+            c.add_argument("--max-tokens", type=int, default=64)
+            c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+            c.add_argument("--top-k", type=int, default=0, help="0: off")
+            c.add_argument("--top-p", type=float, default=1.0, help="1: off")
+            c.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    for command in sub.choices.values():
+        command.add_argument("--verbose", action="store_true",
+                             help="show every third-party warning and megatron's INFO logs")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(arguments, config overrides) of a command line; a malformed override or an argument
+    the command does not take is a :class:`ConfigError`."""
+    args, overrides = parser().parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
+    if bad and args.command in ("train", *CHECKPOINT_COMMANDS):
+        raise ConfigError(f"command line: {bad[0]!r} is not a --section.key=value override")
+    if overrides and args.command not in ("train", *CHECKPOINT_COMMANDS):
+        raise ConfigError(f"command line: unrecognized arguments: {' '.join(overrides)}")
+    return args, overrides
+
+
+def run_folder_config(args, overrides: list[str]) -> str:
+    """The config of an existing run when --config is not given: RUN/config.toml of
+    --run.dir, or for eval of the run folder holding --checkpoint."""
+    candidates = [Path(o.partition("=")[2]) / "config.toml"
+                  for o in overrides if o.startswith("--run.dir=")]
+    if args.command in CHECKPOINT_COMMANDS:
+        checkpoint = Path(args.checkpoint)
+        candidates += [folder / "config.toml"
+                       for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent)]
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    where = ("--run.dir=RUN of an existing run" if args.command == "train"
+             else "a --checkpoint inside a run folder that has config.toml")
+    raise ConfigError(f"{args.command} needs --config FILE (e.g. --config "
+                      f"configs/demo-cpu.toml), or {where}")

@@ -1,0 +1,56 @@
+"""The checks and the set-up every command that runs a model shares: training, ``eval`` and
+the unsharded tools (generate, lm-eval, export-hf).
+
+:func:`preflight` checks what needs no process group or model (the layout against the
+launch, the tokenizer, the data) so a mistake fails in seconds; :func:`setup` then builds the
+process groups and the DDP-wrapped model chunks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from megatron.core.transformer.module import Float16Module
+
+from model.builder import build_model, wrap_ddp
+from pretrain.config import Config, ParamsDtype, validate
+from pretrain.data.batches import check_data
+from pretrain.data.tokenizer import Tokenizer, open_tokenizer
+from runtime import device, parallel
+from runtime.errors import ConfigError
+
+
+def params_dtype(config: Config) -> torch.dtype:
+    choice = config.run.params_dtype
+    if choice is ParamsDtype.AUTO:
+        return torch.bfloat16 if device.uses_cuda() else torch.float32
+    return {ParamsDtype.FP32: torch.float32, ParamsDtype.BF16: torch.bfloat16}[choice]
+
+
+def preflight(config: Config, training: bool = True) -> Tokenizer:
+    """Every check that needs no process group or model (the layout against the launch, the
+    tokenizer, the data), so a mistake fails in seconds; returns the tokenizer. Shared by
+    training and evaluation (``training=False``: the LR schedule is not checked)."""
+    # The layout against the launch before megatron builds groups (it would assert).
+    validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)), training=training)
+    tokenizer = open_tokenizer(config.data.tokenizer)
+    if config.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
+                          f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
+                          f"{config.data.tokenizer})")
+    check_data(config, tokenizer)
+    return tokenizer
+
+
+def setup(config: Config) -> list:
+    """Process groups and the DDP-wrapped model chunks (after :func:`preflight`)."""
+    if config.run.deterministic:  # before NCCL and cuBLAS start
+        device.make_deterministic()
+    parallel.initialize(config.parallel, seed=config.run.seed)
+    dtype = params_dtype(config)
+    chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend,
+                         seed=config.run.seed)
+    if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
+    return wrap_ddp(chunks, config.parallel)

@@ -1,0 +1,1 @@
+"""Text to batches: documents, tokenizers, indexed datasets and the data position."""

@@ -1,0 +1,1 @@
+"""Hugging Face interop: Llama weight maps, model and tokenizer export, the remote code."""

@@ -1,0 +1,1 @@
+"""What a run tells its user: console, progress, metrics and W&B, throughput, the dry run."""
