@@ -4,9 +4,10 @@ An exported folder must work wherever a user loads it: an environment with torch
 transformers release, nothing of this project. So for the oldest and the newest release that
 ``SUPPORTED_TRANSFORMERS`` admits (looked up on the package index), this builds a venv of its
 own holding only the locked torch and that release (``.venv-hf/<version>``, kept for the next
-run), and runs ``tests/test_hf_remote.py`` and ``tests/test_hf_export.py`` in the project's
-venv with their transformers side (``tests/hf_side.py``) running in that venv: every scheme's
-logits, cached and uncached greedy decoding step by step, left-padded batches, bf16 gates.
+run), and runs ``tests/pretrain/hf/test_hf_remote.py`` and
+``tests/pretrain/hf/test_hf_export.py`` in the project's venv with their transformers side
+(``tests/hf_side.py``) running in that venv: every scheme's logits, cached and uncached greedy
+decoding step by step, left-padded batches, bf16 gates.
 
 Usage: ``python scripts/test_hf_versions.py [--versions 4.57.0,5.24.0]`` (``make
 test-hf-versions``). Prints one row per release and exits non-zero if any failed.
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS  # noqa: E402
 
-TESTS = ["tests/test_hf_remote.py", "tests/test_hf_export.py"]
+TESTS = ["tests/pretrain/hf/test_hf_remote.py", "tests/pretrain/hf/test_hf_export.py"]
 VENVS = ROOT / ".venv-hf"
 
 

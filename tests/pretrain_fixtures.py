@@ -45,7 +45,7 @@ def make_corpus(folder: Path) -> dict[str, str]:
 def env(gpu: bool = False, **extra: str) -> dict[str, str]:
     """The environment of a CLI child process. On the CPU whatever this machine has, unless
     ``gpu``: most tests check CPU behaviour exactly (bit-identical resumes, fp32 losses) and
-    many start several ranks; tests/test_gpu_e2e.py runs the same CLI on a GPU."""
+    many start several ranks; tests/pretrain/test_gpu_e2e.py runs the same CLI on a GPU."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**standalone_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
             **({} if gpu else CPU_ONLY_ENV), **extra}

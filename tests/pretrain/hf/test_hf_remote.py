@@ -35,7 +35,7 @@ from pretrain.unsharded.generate import Sampling, continue_tokens
 from tests.helpers import tiny_model
 from tests.hf_side import isolated, transformers_side
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 GREEDY = 20
 CASES = {
     "pre-llama": ("pre", {}),

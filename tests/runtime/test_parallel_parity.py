@@ -95,7 +95,7 @@ def _interpreter_problem() -> str | None:
             "3.9"):
         return (f"Triton {triton.__version__}'s interpreter cannot run loops with runtime "
                 f"bounds under NumPy {numpy.__version__}; the compiled kernels are checked on "
-                "this GPU by tests/test_triton_kernels.py")
+                "this GPU by tests/kernels/test_triton_kernels.py")
     return None
 
 

@@ -2,8 +2,8 @@
 SIGTERM and resume (bit-identical with ``run.deterministic``, within bf16 noise without it),
 and ``eval`` reproducing the final validation loss. Skipped without CUDA.
 
-The other CLI tests (tests/test_pretrain.py) pin their children to the CPU, where every run is
-exact; these are their GPU counterparts, one process on one GPU.
+The other CLI tests (tests/pretrain/test_pretrain.py) pin their children to the CPU, where
+every run is exact; these are their GPU counterparts, one process on one GPU.
 """
 
 from __future__ import annotations

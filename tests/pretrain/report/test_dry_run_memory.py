@@ -14,7 +14,7 @@ Only schemes whose layers keep the same tensors as when they were measured are h
 report also measured siamese (1.092 x pre unfused, 1.109 fused), siamese_hybrid (1.164, 1.193)
 and hybridnorm (1.012) before the SiameseNorm MLP entry stopped keeping u and the updated
 streams, the channel gate its fp32 copy of x, and the Q/K/V norms a copy of Q; what their
-layers keep now is counted against the estimate by tests/test_saved_activations.py, and their
+layers keep now is counted against the estimate by tests/bench/test_saved_activations.py, and their
 GPU figures are to be measured again.
 """
 

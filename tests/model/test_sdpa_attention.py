@@ -31,7 +31,7 @@ from runtime.schedule import forward_backward
 from tests.helpers import CPU_ONLY_ENV, MBS, SEQ, batches, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 S, B, HEAD_DIM = 12, 3, 8
 
 

@@ -3,7 +3,7 @@ Llama folder, a ``siamese_hybrid`` (HybridNorm* block 0) one written at TP=2 a r
 folder; each loads in a fresh process with no code of this project and gives the same logits
 (fp32, 1e-5) and the same 20 greedy tokens as this framework's model, with the KV cache and
 without. The exported tokenizer reproduces the sentencepiece one. (Every scheme's mapping:
-tests/test_hf_remote.py.)"""
+tests/pretrain/hf/test_hf_remote.py.)"""
 
 import json
 
