@@ -55,8 +55,13 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
     from pretrain.config import load_config
 
     path = args.config or arguments.run_folder_config(args, overrides)
-    config = load_config(path, overrides, training=args.command == "train")
-    if args.command == "train" and args.dry_run:
+    planning = args.command == "train" and args.dry_run
+    # the launch's world size, for the commands that build process groups (the dry run asks
+    # about its own; the unsharded commands run one process)
+    launched = args.command in ("train", "eval") and not planning
+    config = load_config(path, overrides, training=args.command == "train",
+                         world_size=int(os.environ.get("WORLD_SIZE", 1)) if launched else None)
+    if planning:
         from pretrain.report.dry_run import dry_run
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank

@@ -1,20 +1,18 @@
 """The checks and the set-up every command that runs a model shares: training, ``eval`` and
 the unsharded tools (generate, lm-eval, export-hf).
 
-:func:`preflight` checks what needs no process group or model (the layout against the
-launch, the tokenizer, the data) so a mistake fails in seconds; :func:`setup` then builds the
-process groups and the DDP-wrapped model chunks.
+:func:`preflight` checks what needs no process group or model (the tokenizer, the data;
+the config itself was validated when it was loaded), so a mistake fails in seconds;
+:func:`setup` then builds the process groups and the DDP-wrapped model chunks.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from megatron.core.transformer.module import Float16Module
 
 from model.builder import build_model, wrap_ddp
-from pretrain.config import Config, ParamsDtype, validate
+from pretrain.config import Config, ParamsDtype
 from pretrain.data.batches import check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from runtime import device, parallel
@@ -28,12 +26,10 @@ def params_dtype(config: Config) -> torch.dtype:
     return {ParamsDtype.FP32: torch.float32, ParamsDtype.BF16: torch.bfloat16}[choice]
 
 
-def preflight(config: Config, training: bool = True) -> Tokenizer:
-    """Every check that needs no process group or model (the layout against the launch, the
-    tokenizer, the data), so a mistake fails in seconds; returns the tokenizer. Shared by
-    training and evaluation (``training=False``: the LR schedule is not checked)."""
-    # The layout against the launch before megatron builds groups (it would assert).
-    validate(config, world_size=int(os.environ.get("WORLD_SIZE", 1)), training=training)
+def preflight(config: Config) -> Tokenizer:
+    """Every check that needs no process group or model, beyond the config's own (validated
+    when it was loaded, with the launch's world size): the tokenizer against the model, the
+    data; so a mistake fails in seconds. Returns the tokenizer."""
     tokenizer = open_tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "

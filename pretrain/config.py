@@ -349,9 +349,11 @@ def read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | None, overrides: list[str] = (), training: bool = True) -> Config:
-    """The config of ``path`` with ``overrides``, validated; ``training=False`` (eval) leaves
-    out the rules only a training run needs (its LR schedule)."""
+def load_config(path: str | None, overrides: list[str] = (), training: bool = True,
+                world_size: int | None = None) -> Config:
+    """The config of ``path`` with ``overrides``, validated here, once: ``training=False``
+    (eval) leaves out the rules only a training run needs (its LR schedule); ``world_size``
+    (the launch's, for a command that builds process groups) adds the data-parallel rules."""
     raw = read_toml(Path(path)) if path is not None else {}
     raw = apply_overrides(raw, list(overrides))
     sections = {f.name: f for f in dataclasses.fields(Config)}
@@ -362,7 +364,7 @@ def load_config(path: str | None, overrides: list[str] = (), training: bool = Tr
                               f"known sections: {', '.join(sections)}")
         built[name] = _build_section(name, typing.get_type_hints(Config)[name], values)
     config = Config(**built)
-    validate(config, training=training)
+    validate(config, world_size=world_size, training=training)
     return config
 
 

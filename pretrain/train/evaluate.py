@@ -23,7 +23,7 @@ from runtime.schedule import forward_backward
 def evaluate_checkpoint(config: Config, path: str) -> dict:
     """The checkpoint's model must be the config's (checked before loading); the data may be
     any, so a checkpoint can be scored on other validation data."""
-    tokenizer = preflight(config, training=False)
+    tokenizer = preflight(config)
     found = weights_source(path, identity.model_identity(config))
     chunks = setup(config)
     weights.load(chunks, found)

@@ -120,121 +120,153 @@ def train(config: Config, stop: StopRequest | None = None,
     try:
         if checkpoint.resolve(Path(config.run.dir) / "checkpoints") != begin.previous:
             begin = check_start(config, config_path)  # another run saved before we locked
-        return _train_locked(config, tokenizer, chunks, begin, stop)
+        run = Training(config, chunks, begin, stop)
+        if parallel.any_rank(stop.requested):
+            return _stopped_in_start_up(stop, begin.position.step)
+        return run.start(tokenizer)
     finally:
         lock.release()
 
 
-def _train_locked(config: Config, tokenizer, chunks, begin: StartPoint, stop: StopRequest) -> dict:
-    r, d = config.run, config.data
-    run_dir, ckpt_root = Path(r.dir), Path(r.dir) / "checkpoints"
-    optimizer, scheduler = build_optimizer(config, chunks, params_dtype(config))
-    parameters = _model_parameters(chunks)
-    if begin.previous is not None:
-        checkpoint.load(begin.previous, begin.record, chunks, optimizer, scheduler)
-    elif begin.weights is not None:
-        if hf_llama.is_hf_folder(str(begin.weights)):
-            hf_llama.load(chunks, str(begin.weights), config.model)
-        else:
-            weights.load(chunks, begin.weights)
-        # bf16: the optimizer's fp32 main weights were copied at its creation; refresh them
-        optimizer.reload_model_params()
-    start = begin.position.step
-    if parallel.any_rank(stop.requested):
-        return _stopped_in_start_up(stop, start)
-    prepare_run_dir(run_dir, config, parameters, resuming=begin.previous is not None)
-    identity_record = {**begin.identity, "config_sha256": sha256(run_dir / "config.toml")}
-    announce(config, parameters, start, begin.previous)
-    train_set, valid_set = build_datasets(config, tokenizer, begin.position)
-    if parallel.any_rank(stop.requested):
-        return _stopped_in_start_up(stop, start)
-    metrics = MetricsLogger(config, run_dir, run_metadata(parameters))
-    progress = Progress(start, r.steps, enabled=is_logging_rank())
-    throughput = Throughput(config)
-    diag = diagnostics.build(config, chunks)  # None when off: no hooks at all
-    micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
+class Training:
+    """One training run on this rank, read in the order it happens: :meth:`__init__` builds the
+    optimizer and restores the start point, :meth:`start` writes the run folder and opens the
+    data and the reporters, :meth:`loop` takes the steps (step, validate, save, stop), and
+    every way out of it passes through one teardown."""
 
-    def at(step: int) -> DataPosition:
-        return begin.position.advance(step, d.global_batch_size, config.seq_length)
+    def __init__(self, config: Config, chunks: list, begin: StartPoint, stop: StopRequest):
+        self.config, self.chunks, self.begin, self.stop = config, chunks, begin, stop
+        self.run_dir = Path(config.run.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.optimizer, self.scheduler = build_optimizer(config, chunks, params_dtype(config))
+        self.parameters = _model_parameters(chunks)
+        self._resume()
 
-    def validation(step: int) -> dict:
-        result = evaluate(config, chunks, valid_set)
-        metrics.log({"step": step, **result})
-        progress.message(f"validation at step {step}: loss {result['val_loss']:.4f}, "
-                         f"perplexity {result['val_ppl']:.1f}")
+    def _resume(self) -> None:
+        """The checkpoint this run resumes, or the weights a fresh run starts from."""
+        begin = self.begin
+        if begin.previous is not None:
+            checkpoint.load(begin.previous, begin.record, self.chunks, self.optimizer,
+                            self.scheduler)
+        elif begin.weights is not None:
+            if hf_llama.is_hf_folder(str(begin.weights)):
+                hf_llama.load(self.chunks, str(begin.weights), self.config.model)
+            else:
+                weights.load(self.chunks, begin.weights)
+            # bf16: the optimizer's fp32 main weights were copied at its creation; refresh them
+            self.optimizer.reload_model_params()
+
+    def at(self, step: int) -> DataPosition:
+        d = self.config.data
+        return self.begin.position.advance(step, d.global_batch_size, self.config.seq_length)
+
+    def start(self, tokenizer) -> dict:
+        """Write the run folder, open the data and the reporters, then run :meth:`loop`."""
+        config, begin, start = self.config, self.begin, self.begin.position.step
+        prepare_run_dir(self.run_dir, config, self.parameters,
+                        resuming=begin.previous is not None)
+        self.identity = {**begin.identity, "config_sha256": sha256(self.run_dir / "config.toml")}
+        announce(config, self.parameters, start, begin.previous)
+        self.train_set, self.valid_set = build_datasets(config, tokenizer, begin.position)
+        if parallel.any_rank(self.stop.requested):
+            return _stopped_in_start_up(self.stop, start)
+        self.metrics = MetricsLogger(config, self.run_dir, run_metadata(self.parameters))
+        self.progress = Progress(start, config.run.steps, enabled=is_logging_rank())
+        finished = False
+        try:
+            result = self.loop(start)
+            finished = True
+            return result
+        except (TrainingAborted, CheckpointError):
+            finished = True  # an end the run reports (W&B closes it), not a crash
+            raise
+        finally:  # the one teardown
+            self.progress.close()
+            if finished:
+                self.metrics.finish()
+
+    def loop(self, step: int) -> dict:
+        """Steps from ``step`` to run.steps; validation and checkpoints on their intervals;
+        a stop request ends it after a save."""
+        r, d = self.config.run, self.config.data
+        throughput = Throughput(self.config)
+        diag = diagnostics.build(self.config, self.chunks)  # None when off: no hooks at all
+        if step == 0 and d.valid_samples:
+            self.validate(0)
+        self.progress.begin()  # after the first validation: the ETA counts training steps only
+        bad_in_a_row = skipped = 0
+        while step < r.steps:
+            began = time.perf_counter()
+            status, lr, grad_norm = self.step(step, diag)
+            step += 1
+            if status.finite:
+                bad_in_a_row = 0
+            else:
+                skipped += 1
+                bad_in_a_row += 1
+                log.warning("step %d: non-finite loss or gradient, step skipped", step)
+            record = None
+            if step % r.log_interval == 0 or step == r.steps:
+                record = {"step": step, "consumed_tokens": self.at(step).tokens,
+                          "loss": status.loss, "lr": lr,
+                          "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                          "skipped_steps": skipped,
+                          **throughput.measure(time.perf_counter() - began)}
+                self.metrics.log(record)
+            self.progress.step(step, record)
+            for extra in diag.records(step, status.loss) if diag else ():  # collective
+                self.metrics.log(extra)
+            if bad_in_a_row >= r.max_nonfinite_steps:
+                raise TrainingAborted(
+                    f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
+                    f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
+                    f"{checkpoint.latest_text(self.ckpt_root)}")
+            if d.valid_samples and step % r.eval_interval == 0 and step < r.steps:
+                self.validate(step)
+            if status.stop or (r.save_interval and step % r.save_interval == 0) \
+                    or step == r.steps:
+                self.save(step)
+            if status.stop:
+                self.progress.message(f"stopped by signal after step {step}; checkpoint saved")
+                return {"stopped_at": step}
+        self.progress.close()
+        return self.validate(step) if d.valid_samples else {}
+
+    def step(self, step: int, diag) -> tuple[StepStatus, float, float | None]:
+        """One optimizer step from ``step`` (0-based): forward and backward over its
+        micro-batches, then the update unless some loss or gradient is not finite. Returns the
+        step's status, the learning rate it applied and the gradient norm (NaN: skipped)."""
+        config, d = self.config, self.config.data
+        self.optimizer.zero_grad()
+        with diag.step(step + 1) if diag else contextlib.nullcontext():
+            losses = forward_backward(self.chunks, step_microbatches(
+                self.train_set, self.at(step).samples, d.global_batch_size, d.micro_batch_size),
+                microbatches_per_step(d.global_batch_size, d.micro_batch_size),
+                config.seq_length, d.micro_batch_size)
+        status = step_status(losses, self.chunks, self.stop)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        grad_norm = float("nan")
+        if status.finite:
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+        return status, lr, grad_norm
+
+    def validate(self, step: int) -> dict:
+        result = evaluate(self.config, self.chunks, self.valid_set)
+        self.metrics.log({"step": step, **result})
+        self.progress.message(f"validation at step {step}: loss {result['val_loss']:.4f}, "
+                              f"perplexity {result['val_ppl']:.1f}")
         return result
 
-    def save(step: int) -> None:
-        if not weights_finite(chunks):
+    def save(self, step: int) -> None:
+        """A checkpoint after ``step``, refused (the run aborts) when a weight is not finite."""
+        if not weights_finite(self.chunks):
             raise TrainingAborted(f"the weights after step {step} are not finite (NaN/Inf); "
                                   f"no checkpoint written; "
-                                  f"{checkpoint.latest_text(ckpt_root)}")
-        record = {**identity_record, "position": at(step)._asdict()}
-        checkpoint.save(ckpt_root, step, chunks, optimizer, scheduler, r.keep_last, record)
-
-    if start == 0 and d.valid_samples:
-        validation(0)
-    progress.begin()  # after the first validation: the ETA counts training steps only
-    bad_in_a_row = skipped = 0
-    step = start
-    while step < r.steps:
-        began = time.perf_counter()
-        optimizer.zero_grad()
-        with diag.step(step + 1) if diag else contextlib.nullcontext():
-            losses = forward_backward(chunks, step_microbatches(
-                train_set, at(step).samples, d.global_batch_size, d.micro_batch_size),
-                micro, config.seq_length, d.micro_batch_size)
-        status = step_status(losses, chunks, stop)
-        loss = status.loss
-        grad_norm = float("nan")
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step applies
-        if status.finite:
-            _, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
-            bad_in_a_row = 0
-        else:
-            skipped += 1
-            bad_in_a_row += 1
-            log.warning("step %d: non-finite loss or gradient, step skipped", step + 1)
-        step += 1
-        elapsed = time.perf_counter() - began
-        if step % r.log_interval == 0 or step == r.steps:
-            record = {"step": step, "consumed_tokens": at(step).tokens, "loss": loss,
-                      "lr": lr,
-                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                      "skipped_steps": skipped, **throughput.measure(elapsed)}
-            metrics.log(record)
-        else:
-            record = None
-        progress.step(step, record)
-        for extra in diag.records(step, loss) if diag else ():  # collective on a measured step
-            metrics.log(extra)
-        if bad_in_a_row >= r.max_nonfinite_steps:
-            progress.close()
-            metrics.finish()
-            raise TrainingAborted(
-                f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
-                f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
-                f"{checkpoint.latest_text(ckpt_root)}")
-        if d.valid_samples and step % r.eval_interval == 0 and step < r.steps:
-            validation(step)
-        stopping = status.stop
-        if stopping or (r.save_interval and step % r.save_interval == 0) or step == r.steps:
-            try:
-                save(step)
-            except (CheckpointError, TrainingAborted):
-                progress.close()
-                metrics.finish()
-                raise
-        if stopping:
-            progress.message(f"stopped by signal after step {step}; checkpoint saved")
-            progress.close()
-            metrics.finish()
-            return {"stopped_at": step}
-    progress.close()
-    final = validation(step) if d.valid_samples else {}
-    metrics.finish()
-    return final
+                                  f"{checkpoint.latest_text(self.ckpt_root)}")
+        record = {**self.identity, "position": self.at(step)._asdict()}
+        checkpoint.save(self.ckpt_root, step, self.chunks, self.optimizer, self.scheduler,
+                        self.config.run.keep_last, record)
 
 
 def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:
