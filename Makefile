@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench lint gpu-check te test-hf-versions lock-refresh
+.PHONY: setup test test-fast demo bench lint gpu-check te test-hf-versions lock-refresh
 setup: $(VENV)/.installed
 
 # requirements.lock pins every package (the versions the suite last passed with).
@@ -12,6 +12,11 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 
 test: setup
 	$(PY) -m pytest -q
+
+# The fast tier for the edit loop (< 3 minutes on a 2-core CPU): no test that starts a process,
+# needs a GPU or a cluster (tests/tiers.py holds the markers to that).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not gpu and not cluster"
 
 demo: setup
 	PYTHON=$(PY) bash scripts/demo.sh

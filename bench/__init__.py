@@ -1,0 +1,1 @@
+"""Benchmarks that print tables: kernels, saved activations, schemes, GPU steps, throughput."""

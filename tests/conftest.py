@@ -16,7 +16,10 @@ if not torch.cuda.is_available():
 from model.config import ParallelConfig
 from runtime import cpu_compat, parallel
 from runtime import device as compute
+from tests import tiers
 from tests.pretrain_fixtures import cli, make_corpus, train_args
+
+tiers.install()
 
 
 def _rewrite_interpreted_kernels() -> None:
@@ -85,10 +88,26 @@ def trained_run(data, tmp_path_factory):
     return run
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The markers of the running test, for the tier checks (tests/tiers.py)."""
+    tiers.enter(item)
+    try:
+        return (yield)
+    finally:
+        tiers.leave()
+
+
+# Session fixtures that start processes (the CLI): every test using one, directly or through
+# another fixture, is slow.
+PROCESS_FIXTURES = frozenset({"data", "trained_run"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (CUDA not available)")
     for item in items:
-        if "gpu" in item.keywords:
+        if PROCESS_FIXTURES & set(item.fixturenames) or "cluster" in item.keywords:
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
+
 PREFIX = "pretrain-test-"  # namespace names: PREFIX<pid of the test process>-<node>
 HOSTS = ("node0", "node1")
 SUBNET = "10.201.0"  # node i is SUBNET.(i+1)/24, inside its namespace only
@@ -122,6 +124,7 @@ class TwoNodes:
 
 
 def start_nodes() -> TwoNodes:
+    tiers.require("cluster", "starts two network-namespace nodes")
     _ensure_tools()
     _remove_stale()
     nodes = TwoNodes()

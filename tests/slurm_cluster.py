@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue")
 NODES = ("n0", "n1")
 
@@ -194,6 +196,7 @@ class Cluster:
 
 
 def start_cluster() -> Cluster:
+    tiers.require("cluster", "starts a slurm cluster")
     ensure_slurm_installed()
     _remove_stale()
     cluster = Cluster()

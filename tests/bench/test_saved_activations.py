@@ -14,6 +14,8 @@ import pytest
 
 from bench import saved_activations
 
+pytestmark = pytest.mark.slow
+
 HIDDEN, HEADS = 256, 16  # head_dim 16: RoPE's cos/sin stay a small fraction of h
 WIDTH = 2  # bf16
 ROPE = 4 * (HIDDEN // HEADS) * WIDTH

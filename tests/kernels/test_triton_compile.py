@@ -13,6 +13,8 @@ import pytest
 
 from tests.pretrain_fixtures import REPO
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("triton")
 
 KERNELS = {"norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd",

@@ -110,6 +110,7 @@ def test_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "val_loss_vs_lr.png").exists()
 
 
+@pytest.mark.slow
 def test_two_cell_sweep_resumes_and_reports(tmp_path, capsys):
     """One cell, then a grid of two: the finished cell is skipped (its folder untouched),
     the other runs, and the CSV, table and both plots cover both; a third run with other

@@ -15,6 +15,8 @@ import pytest
 from tests.netns import start_nodes
 from tests.pretrain_fixtures import REPO, cli, env, make_corpus, train_args, train_losses
 
+pytestmark = pytest.mark.cluster
+
 STEPS = 8
 
 

@@ -19,6 +19,7 @@ from tests.helpers import tiny_model
     ("hybridnorm", {"hybrid_first_block": "prenorm"}),
     ("siamese_hybrid", {"hybrid_first_block": "prenorm"}),
 ], ids=["mixln", "hybridnorm*", "siamese_hybrid*"])
+@pytest.mark.slow
 def test_checkpoint_round_trip(single_rank, scheme, extra, tmp_path):
     cfg = tiny_model(scheme, **extra)
     torch.manual_seed(0)

@@ -196,6 +196,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_cpu_build_never_imports_transformer_engine():
     """Building every scheme with every CPU backend (and importing the GPU benchmark) makes no
     import of transformer_engine from this repository's code and leaves it out of sys.modules.

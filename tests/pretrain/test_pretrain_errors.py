@@ -20,6 +20,8 @@ import pytest
 
 from tests.pretrain_fixtures import REPO, cli, make_corpus, train_args
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def ctx(tmp_path_factory):

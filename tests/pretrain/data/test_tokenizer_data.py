@@ -155,6 +155,7 @@ def test_iter_documents(tmp_path):
 # --- prepare-data and megatron compatibility ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_prepare_data_reads_back(tokenizers, corpus, tmp_path, monkeypatch):
     path, documents = corpus
     tok = tokenizers["bpe"]

@@ -89,6 +89,7 @@ def test_eval_checks_what_evaluation_needs_not_the_schedule():
                 "--run.dir=RUN of an existing run"),
     (["eval", "--checkpoint", "/nonexistent/ckpt"], "eval needs --config FILE"),
 ])
+@pytest.mark.slow
 def test_a_missing_config_says_how_to_give_one(args, fragment):
     done = cli(*args, check=False)
     assert done.returncode == 2
@@ -96,6 +97,7 @@ def test_a_missing_config_says_how_to_give_one(args, fragment):
     assert last.startswith("error: ") and fragment in last, last
 
 
+@pytest.mark.slow
 def test_help_teaches_the_override_syntax():
     done = cli("train", "--help")
     assert "--section.key=value" in done.stdout

@@ -11,6 +11,8 @@ import pytest
 
 from tests.pretrain_fixtures import REPO, cli, env
 
+pytestmark = pytest.mark.slow
+
 
 def _is_preset(path: Path) -> bool:
     """Training configs, in sub-folders too. Not presets: bases that presets build on (named

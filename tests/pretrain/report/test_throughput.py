@@ -100,6 +100,7 @@ def test_step_status_agrees_loss_finiteness_and_stop_in_one_reduction(single_ran
     assert step_status(losses, [ok], SimpleNamespace(requested=True)).stop is True
 
 
+@pytest.mark.slow
 def test_make_deterministic_sets_every_switch():
     probe = ("import os, torch; from runtime import device; device.make_deterministic(); "
              "print(os.environ['CUBLAS_WORKSPACE_CONFIG'], os.environ['NCCL_ALGO'], "

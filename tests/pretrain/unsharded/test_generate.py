@@ -82,6 +82,7 @@ def test_sampling_checks(sampling, words):
     assert all(w in str(err.value) for w in words), err.value
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_is_one_line(tmp_path):
     done = cli("generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "x",
                check=False)
