@@ -26,15 +26,21 @@ def params_dtype(config: Config) -> torch.dtype:
     return {ParamsDtype.FP32: torch.float32, ParamsDtype.BF16: torch.bfloat16}[choice]
 
 
-def preflight(config: Config) -> Tokenizer:
-    """Every check that needs no process group or model, beyond the config's own (validated
-    when it was loaded, with the launch's world size): the tokenizer against the model, the
-    data; so a mistake fails in seconds. Returns the tokenizer."""
+def tokenizer_for(config: Config) -> Tokenizer:
+    """The config's tokenizer, which the model's vocabulary must hold."""
     tokenizer = open_tokenizer(config.data.tokenizer)
     if config.model.vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
                           f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
                           f"{config.data.tokenizer})")
+    return tokenizer
+
+
+def preflight(config: Config) -> Tokenizer:
+    """Every check that needs no process group or model, beyond the config's own (validated
+    when it was loaded, with the launch's world size): the tokenizer against the model, the
+    data; so a mistake fails in seconds. Returns the tokenizer."""
+    tokenizer = tokenizer_for(config)
     check_data(config, tokenizer)
     return tokenizer
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from model.config import ParallelConfig, require
-from pretrain.build import setup
+from model.config import ParallelConfig
+from pretrain.build import setup, tokenizer_for
 from pretrain.config import Config, validate
-from pretrain.data.tokenizer import Tokenizer, open_tokenizer
+from pretrain.data.tokenizer import Tokenizer
 from pretrain.run import identity
 from pretrain.run.checkpoint import weights_source
 from runtime import weights
@@ -33,10 +33,7 @@ def single_process(config: Config, command: str) -> None:
 def load_whole(config: Config, checkpoint: str) -> tuple[object, Tokenizer, Path]:
     """(model in eval mode, tokenizer, checkpoint folder) after :func:`single_process`; the
     checkpoint must hold the config's model (checked before loading)."""
-    tokenizer = open_tokenizer(config.data.tokenizer)
-    require(config.model.vocab_size >= tokenizer.vocab_size,
-            f"model.vocab_size ({config.model.vocab_size}) must be >= the tokenizer's "
-            f"vocabulary ({tokenizer.vocab_size}, {config.data.tokenizer})")
+    tokenizer = tokenizer_for(config)
     found = weights_source(checkpoint, identity.model_identity(config))
     [model] = setup(config)
     weights.load([model], found)
