@@ -16,6 +16,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
 
 from kernels.backend import NormBackend, resolve
 from model.config import ModelConfig, ParallelConfig
@@ -87,12 +89,28 @@ def wrap_ddp(chunks: list[GPTModel], parallel: ParallelConfig) -> list[Distribut
 
 
 def count_parameters(chunks) -> int:
-    """Parameters held by this rank, counting a shared (tied) tensor once."""
+    """This rank's share of the whole model's parameters: summed over the tensor- and
+    pipeline-parallel ranks it gives each parameter once, whatever the layout. A tensor
+    replicated on every TP rank (norm weights, biases of row-parallel linears) counts on TP
+    rank 0 only; the last pipeline stage's copy of tied embeddings (megatron marks it
+    ``shared``) and a tensor tied within the rank count once."""
     seen: set[int] = set()
     total = 0
     for chunk in chunks:
         for param in chunk.parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                total += param.numel()
+            if id(param) in seen or not param_is_not_shared(param) \
+                    or not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            seen.add(id(param))
+            total += param.numel()
     return total
+
+
+def model_parameters(chunks) -> int:
+    """Parameters of the whole model, the same number under every TP/PP/VP layout: each
+    rank's :func:`count_parameters` summed over its model-parallel group (a collective: every
+    rank calls it)."""
+    total = torch.tensor([count_parameters(chunks)], dtype=torch.int64,
+                         device=device.compute_device())
+    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return int(total.item())

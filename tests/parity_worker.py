@@ -10,7 +10,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from kernels.norms import Norm
-from model.builder import build_model, wrap_ddp
+from model.builder import build_model, model_parameters, wrap_ddp
 from model.config import ParallelConfig
 from model.layers.two_stream import TwoStreamLayer
 from runtime import parallel, weights
@@ -111,7 +111,8 @@ def run_optimizer_step(scheme: str, workdir: str, distributed: bool) -> None:
 def run_fresh(layout: dict, cases: dict[str, tuple[str, dict]], workdir: str,
               seed: int) -> None:
     """Build each case's model fresh from ``seed`` in ``layout`` (no weights loaded), write its
-    step-1 loss and its initial weights (unsharded through the checkpoint format)."""
+    step-1 loss, its parameter count and its initial weights (unsharded through the
+    checkpoint format)."""
     par = ParallelConfig(distributed_optimizer=False, **layout)
     parallel.initialize(par, seed=seed + 1)  # the model's seed is build_model's, not torch's
     for name, (scheme, overrides) in cases.items():
@@ -119,6 +120,10 @@ def run_fresh(layout: dict, cases: dict[str, tuple[str, dict]], workdir: str,
         chunks = wrap_ddp(build_model(tiny_model(scheme, **overrides), par,
                                       norm_backend="torch", seed=seed), par)
         weights.save(chunks, os.path.join(folder, "weights"))
+        count = model_parameters(chunks)
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, "parameters.json"), "w") as f:
+                json.dump(count, f)
         mean = mean_loss(chunks)
         if mean is not None:
             with open(os.path.join(folder, "loss.json"), "w") as f:

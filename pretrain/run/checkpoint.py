@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
+from pretrain.config import Config
 from pretrain.data.position import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
 from pretrain.run import identity
@@ -48,16 +50,44 @@ def _rank0() -> bool:
     return dist.get_rank() == 0
 
 
-def _rng_state() -> dict:
+# Constructors a pickled numpy array needs: RNG files written before RNG states were saved as
+# tensors hold numpy's state as an array. Allowed explicitly, so every RNG file is read with
+# weights_only=True (no other code a shared checkpoint could name runs on load).
+NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                       type(np.dtype(np.uint32))]
+
+
+def rng_state() -> dict:
+    """Every generator a step draws from, as tensors and plain values only (so loading it
+    needs no pickled objects)."""
+    version, mt_state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(),
+        "python": [version, torch.tensor(mt_state, dtype=torch.int64), gauss],
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if device.uses_cuda() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def read_rng_state(path: Path) -> dict:
+    """An RNG file of :func:`rng_state`, or of an earlier version (numpy's state pickled as
+    an array, Python's as a tuple). A file naming any other object is refused unread."""
+    try:
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
+            state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"'{path}' holds objects other than tensors and plain values; "
+                              "refused, since loading them could run code") from None
+    version, mt_state, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["python"] = (version, tuple(int(v) for v in mt_state), gauss)
+    state["numpy"] = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    return state
+
+
+def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -104,7 +134,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
             dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False),
                                     str(tmp))
             (tmp / "rng").mkdir(exist_ok=True)
-            torch.save(_rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
+            torch.save(rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
         except weights.LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
             failure = err
     if not any_rank(failure is not None) and _rank0():
@@ -204,13 +234,21 @@ def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
     load_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if record["world_size"] == dist.get_world_size():  # RNG streams are per rank of a layout
-        _set_rng_state(torch.load(directory / "rng" / f"rank{dist.get_rank()}.pt",
-                                  weights_only=False))
+        set_rng_state(read_rng_state(directory / "rng" / f"rank{dist.get_rank()}.pt"))
 
 
-def weights_source(path: str, model: dict) -> Path:
-    """The checkpoint ``path`` names (for eval and run.init_from), after checking that it
-    holds the model ``model`` (:func:`pretrain.run.identity.model_identity`)."""
+def weights_source(path: str, config: Config) -> Path:
+    """The checkpoint ``path`` names (for eval, the unsharded tools and run.init_from), after
+    checking that it holds ``config``'s model and was trained with its tokenizer."""
     found = find(Path(path))
-    identity.check_model(read_record(found).get("model"), model, found)
+    record = read_record(found)
+    identity.check_model(record.get("model"), identity.model_identity(config), found)
+    identity.check_tokenizer(record.get("tokenizer"), config, found)
     return found
+
+
+def run_folder(checkpoint: Path) -> Path:
+    """The folder results about ``checkpoint`` belong in: its run folder
+    (RUN/checkpoints/step_N), else the folder holding it."""
+    parent = checkpoint.resolve().parent
+    return parent.parent if parent.name == "checkpoints" else parent

@@ -1,13 +1,16 @@
-"""What a checkpoint is: its model, its data and its data position, compared before loading.
+"""What a checkpoint is: its model, its tokenizer, its data and its data position, compared
+before loading.
 
 Every checkpoint records (in ``complete.json``) the model fields that decide which function its
-tensors compute, the identity of the data it was trained on and how far into that data it got.
-A resume, ``eval`` or ``run.init_from`` compares them with the config at hand *before* megatron
-reads a tensor, so a different vocabulary or hidden size is refused naming the field and both
-values instead of loading part of the checkpoint. A data, batch or seed change on resume is
-refused unless ``run.allow_data_change``; then the data position (samples and tokens consumed)
-carries on from the checkpoint's, so consumed tokens never go backwards and no sample index is
-reused by accident.
+tensors compute, the tokenizer that gives its token ids their meaning, the identity of the data
+it was trained on and how far into that data it got. A resume, ``eval``, ``generate``,
+``lm-eval``, ``export-hf`` or ``run.init_from`` compares them with the config at hand *before*
+megatron reads a tensor, so a different vocabulary or hidden size is refused naming the field
+and both values instead of loading part of the checkpoint, and another tokenizer of the same
+size (whose scores would look plausible and mean nothing) is refused naming both files. A
+data, batch or seed change on resume is refused unless ``run.allow_data_change``; then the data
+position (samples and tokens consumed) carries on from the checkpoint's, so consumed tokens
+never go backwards and no sample index is reused by accident.
 
 Datasets are identified by a fingerprint of their files, not by path, so moving a corpus to
 another file system keeps a run resumable.
@@ -21,6 +24,7 @@ import os
 from typing import Any
 
 from pretrain.config import Config
+from pretrain.data.tokenizer import open_tokenizer
 from runtime.errors import CheckpointError
 
 log = logging.getLogger("pretrain")
@@ -73,9 +77,18 @@ def data_identity(config: Config) -> dict[str, Any]:
     }
 
 
+def tokenizer_identity(config: Config) -> dict[str, str]:
+    """The tokenizer by content (sentencepiece model or tokenizer.json; moving the file keeps
+    it) and, for messages, by the path it had."""
+    tokenizer = open_tokenizer(config.data.tokenizer)
+    return {"path": config.data.tokenizer,
+            "sha256": tokenizer.unique_identifiers["model_sha256"]}
+
+
 def run_identity(config: Config) -> dict[str, Any]:
-    """What a checkpoint of this config records: {"model": ..., "data": ...}."""
-    return {"model": model_identity(config), "data": data_identity(config)}
+    """What a checkpoint of this config records: {"model", "tokenizer", "data"}."""
+    return {"model": model_identity(config), "tokenizer": tokenizer_identity(config),
+            "data": data_identity(config)}
 
 
 def upgraded(saved: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +117,21 @@ def check_model(saved: dict[str, Any] | None, current: dict[str, Any], checkpoin
     if differences:
         raise CheckpointError(f"checkpoint '{checkpoint}' holds another model: "
                           f"{'; '.join(differences)}")
+
+
+def check_tokenizer(saved: dict[str, str] | None, config: Config, checkpoint: str) -> None:
+    """Refuse a checkpoint trained with another tokenizer than ``config``'s: its token ids
+    would stand for other text. No override: a tokenizer is never changed under a model.
+    ``saved`` is None for checkpoints written before tokenizers were recorded."""
+    if saved is None:
+        return
+    current = tokenizer_identity(config)
+    if saved["sha256"] != current["sha256"]:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}' was trained with another tokenizer: "
+            f"'{saved['path']}' #{saved['sha256'][:8]} in the checkpoint, data.tokenizer "
+            f"'{current['path']}' #{current['sha256'][:8]} here; leave out --config to use "
+            f"the run folder's config.toml, or set --data.tokenizer={saved['path']}")
 
 
 def data_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -3,8 +3,8 @@ steps), and the ``eval`` command, which scores a checkpoint on the config's data
 
 from __future__ import annotations
 
+import logging
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,24 +14,30 @@ from pretrain.build import preflight, setup
 from pretrain.config import Config
 from pretrain.data.batches import build_datasets, microbatches_per_step, step_microbatches
 from pretrain.report.metrics import strict_json
-from pretrain.run import identity
-from pretrain.run.checkpoint import weights_source
+from pretrain.run.checkpoint import run_folder, weights_source
 from runtime import device, weights
 from runtime.schedule import forward_backward
 
+log = logging.getLogger("pretrain")
+
 
 def evaluate_checkpoint(config: Config, path: str) -> dict:
-    """The checkpoint's model must be the config's (checked before loading); the data may be
-    any, so a checkpoint can be scored on other validation data."""
+    """The checkpoint's model and tokenizer must be the config's (checked before loading); the
+    data may be any, so a checkpoint can be scored on other validation data. The result is
+    appended to ``eval.jsonl`` of the checkpoint's run folder, next to what it describes."""
     tokenizer = preflight(config)
-    found = weights_source(path, identity.model_identity(config))
+    found = weights_source(path, config)
     chunks = setup(config)
     weights.load(chunks, found)
     _, valid = build_datasets(config, tokenizer)
     result = {"checkpoint": str(found), **evaluate(config, chunks, valid)}
-    if dist.get_rank() == 0 and Path(config.run.dir).is_dir():
-        with (Path(config.run.dir) / "eval.jsonl").open("a") as f:
-            f.write(strict_json(result) + "\n")
+    if dist.get_rank() == 0:
+        log_to = run_folder(found) / "eval.jsonl"
+        try:
+            with log_to.open("a") as f:
+                f.write(strict_json(result) + "\n")
+        except OSError as err:  # a read-only checkpoint is still scored; the result is printed
+            log.warning("could not append the result to %s: %s", log_to, err.strerror)
     return result
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from model.builder import count_parameters
+from model.builder import model_parameters
 from pretrain.build import params_dtype, preflight, setup
 from pretrain.config import Config
 from pretrain.data.batches import (
@@ -84,14 +84,6 @@ def weights_finite(chunks) -> bool:
     return not bad.item()
 
 
-def _model_parameters(chunks) -> int:
-    """Parameters of the whole model: this rank's share summed over TP and PP ranks."""
-    total = torch.tensor([count_parameters(chunks)], dtype=torch.int64,
-                         device=device.compute_device())
-    dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return int(total.item())
-
-
 def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
     log.info("stopped by %s during start-up, before step %d; nothing to save",
              stop.signal_name, at + 1)
@@ -139,7 +131,7 @@ class Training:
         self.run_dir = Path(config.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.optimizer, self.scheduler = build_optimizer(config, chunks, params_dtype(config))
-        self.parameters = _model_parameters(chunks)
+        self.parameters = model_parameters(chunks)
         self._resume()
 
     def _resume(self) -> None:

@@ -50,27 +50,28 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _init_source(path: str, config: Config, model: dict) -> Path:
+def _init_source(path: str, config: Config) -> Path:
     """run.init_from: a megatron checkpoint of this model, or a Hugging Face Llama folder
     whose config matches it (``pretrain.hf.llama``)."""
     if hf_llama.is_hf_folder(path):
         hf_llama.check(path, config.model)
         return Path(path)
-    return checkpoint.weights_source(path, model)
+    return checkpoint.weights_source(path, config)
 
 
 def check_start(config: Config, config_path: str | None) -> StartPoint:
     """What this start resumes or loads, checked against the config before a tensor is read:
-    the model (always), the data (on resume), edits of RUN/config.toml."""
+    the model and its tokenizer (always), the data (on resume), edits of RUN/config.toml."""
     r, d = config.run, config.data
     run_dir = Path(r.dir)
     current = identity.run_identity(config)
     previous = checkpoint.resolve(run_dir / "checkpoints")
     if previous is None:
-        weights = _init_source(r.init_from, config, current["model"]) if r.init_from else None
+        weights = _init_source(r.init_from, config) if r.init_from else None
         return StartPoint(None, {}, START, weights, current)
     record = checkpoint.read_record(previous)
     identity.check_model(record.get("model"), current["model"], previous)
+    identity.check_tokenizer(record.get("tokenizer"), config, previous)
     identity.check_data(record.get("data"), current["data"], r.allow_data_change, previous)
     edited = _config_edited(record, run_dir, config_path)
     if edited:

@@ -14,7 +14,6 @@ from model.config import ParallelConfig
 from pretrain.build import setup, tokenizer_for
 from pretrain.config import Config, validate
 from pretrain.data.tokenizer import Tokenizer
-from pretrain.run import identity
 from pretrain.run.checkpoint import weights_source
 from runtime import weights
 from runtime.errors import ConfigError
@@ -32,9 +31,9 @@ def single_process(config: Config, command: str) -> None:
 
 def load_whole(config: Config, checkpoint: str) -> tuple[object, Tokenizer, Path]:
     """(model in eval mode, tokenizer, checkpoint folder) after :func:`single_process`; the
-    checkpoint must hold the config's model (checked before loading)."""
+    checkpoint must hold the config's model and tokenizer (checked before loading)."""
     tokenizer = tokenizer_for(config)
-    found = weights_source(checkpoint, identity.model_identity(config))
+    found = weights_source(checkpoint, config)
     [model] = setup(config)
     weights.load([model], found)
     model.eval()

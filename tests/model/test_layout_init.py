@@ -1,5 +1,8 @@
 """A fresh model is a function of the seed and the config only, whatever the layout.
 
+Its parameter count too: every layout reports the single-process count (a norm weight
+replicated on both TP ranks, or the last stage's copy of tied embeddings, counts once).
+
 Each layout builds the model from the seed alone (no weights loaded) in spawned gloo ranks; its
 initial weights, read back unsharded through the checkpoint format, must equal the
 single-process model's exactly, and its step-1 loss must match. The in-process tests check
@@ -12,7 +15,7 @@ import math
 import pytest
 import torch
 
-from model.builder import build_model, wrap_ddp
+from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ParallelConfig
 from runtime import weights
 from runtime.schedule import forward_backward
@@ -27,7 +30,7 @@ CASES = {  # name: (scheme, model fields)
                                             "untie_embeddings_and_output_weights": False}),
     "deepnorm": ("deepnorm", {}),
 }
-LAYOUTS = {"pp2": (2, dict(pp=2)), "pp2-vp2": (2, dict(pp=2, vp=2)),
+LAYOUTS = {"tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "pp2-vp2": (2, dict(pp=2, vp=2)),
            "tp2-pp2": (4, dict(tp=2, pp=2))}
 PAR = ParallelConfig(distributed_optimizer=False)
 
@@ -38,6 +41,15 @@ def single_process(scheme: str, overrides: dict) -> tuple[float, dict]:
     losses = forward_backward(chunks, batches(MICROBATCHES), MICROBATCHES, SEQ, MBS)
     params = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
     return float(sum(losses)) / len(losses), params
+
+
+def test_single_process_count_is_the_sum_of_tensor_sizes(single_rank):
+    """The reference the layouts are held to, counted independently: every tensor of the
+    one-process model (tied embeddings are one tensor there)."""
+    for scheme, overrides in CASES.values():
+        [model] = build_model(tiny_model(scheme, **overrides), PAR, norm_backend="torch")
+        unique = {id(p): p.numel() for p in model.parameters()}
+        assert count_parameters([model]) == sum(unique.values()) > 0
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +69,8 @@ def test_fresh_layout_starts_from_the_single_process_model(expected, layout, tmp
         weights.load([model], str(tmp_path / name / "weights"))
         for param_name, param in model.named_parameters():
             assert torch.equal(param.detach(), ref_params[param_name]), (name, param_name)
+        count = json.loads((tmp_path / name / "parameters.json").read_text())
+        assert count == sum(p.numel() for p in ref_params.values()), (name, count)
         loss = json.loads((tmp_path / name / "loss.json").read_text())
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, loss, ref_loss)
 

@@ -48,11 +48,14 @@ def test_training_lowers_validation_loss_and_fills_run_folder(data, reference):
     assert (reference / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
 
 
-def test_eval_command_reports_checkpoint_perplexity(data, reference):
+def test_eval_command_reports_checkpoint_perplexity(data, reference, tmp_path):
     """`eval` reproduces the run's final validation, and gives exactly the same result under
-    a config of another run length and evaluation interval (one fixed validation set)."""
+    a config of another run length, evaluation interval and run folder (one fixed validation
+    set); both results go to the checkpoint's run folder, never to the config's."""
     results = []
-    for extra in ([], ["--run.steps=5000", "--run.eval_interval=1"]):
+    elsewhere = tmp_path / "other-run"
+    elsewhere.mkdir()
+    for extra in ([], ["--run.steps=5000", "--run.eval_interval=1", f"--run.dir={elsewhere}"]):
         done = cli("eval", "--config", str(Path(reference) / "config.toml"),
                    "--checkpoint", str(reference / "checkpoints"), *extra)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -64,6 +67,7 @@ def test_eval_command_reports_checkpoint_perplexity(data, reference):
     assert results[1] == result
     logged = [json.loads(line) for line in (reference / "eval.jsonl").read_text().splitlines()]
     assert logged[-2:] == results
+    assert not (elsewhere / "eval.jsonl").exists()
 
 
 def _wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:

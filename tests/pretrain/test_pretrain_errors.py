@@ -29,6 +29,8 @@ def ctx(tmp_path_factory):
     data = make_corpus(root / "data")
     cli("train-tokenizer", data["corpus"], "--output", str(root / "data" / "small"),
         "--vocab-size", "400")
+    cli("prepare-data", data["corpus"], "--tokenizer", str(root / "data" / "small.model"),
+        "--output", str(root / "data" / "small-topics"))
     run = root / "finished"
     cli(*train_args(data, run, "--run.steps=3"))
     corrupt = root / "corrupt-run"
@@ -181,6 +183,11 @@ def _eval(c, run: str = "finished", *extra):
             _in(c, run, "checkpoints"), *extra]
 
 
+def _small_tokenizer(c) -> list[str]:
+    return [f"--data.tokenizer={_in(c, 'data', 'small.model')}",
+            f"--data.prefixes={_in(c, 'data', 'small-topics')}"]
+
+
 def _data(c, name: str):
     return _train(c, f"--data.prefixes={_in(c, 'data', name)}")
 
@@ -300,6 +307,22 @@ EARLY_CASES = {
     "init from other model": (lambda c: _train(c, f"--run.init_from={_in(c, 'finished')}/"
                                                   "checkpoints", "--model.num_layers=4"),
                               ["model.num_layers (2 in the checkpoint, 4 here)"]),
+    # data made with another tokenizer the model's vocabulary holds (400 pieces < 512): its
+    # token ids mean other text, refused for every command that reads the checkpoint
+    "eval with another tokenizer": (
+        lambda c: _eval(c, "finished", *_small_tokenizer(c)),
+        ["another tokenizer", "small.model", "tok.model", "leave out --config"]),
+    "generate with another tokenizer": (
+        lambda c: ["generate", "--config", str(c["run"] / "config.toml"), "--checkpoint",
+                   _in(c, "finished", "checkpoints"), "--prompt", "a", *_small_tokenizer(c)],
+        ["another tokenizer", "small.model"]),
+    "resume with another tokenizer": (
+        lambda c: _resume(c, "finished", *_small_tokenizer(c)),
+        ["another tokenizer", "small.model"]),
+    "init from another tokenizer's model": (
+        lambda c: _train(c, f"--run.init_from={_in(c, 'finished')}/checkpoints",
+                         *_small_tokenizer(c)),
+        ["another tokenizer", "small.model"]),
     "eval of other vocabulary": (lambda c: _eval(c, "finished", "--model.vocab_size=1024"),
                                  ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
     "eval without a validation set": (lambda c: _eval(c, "finished", "--data.valid_samples=0"),
@@ -354,6 +377,7 @@ def _isolated(monkeypatch, tmp_path):
 
     monkeypatch.setattr("pretrain.train.loop.setup", no_setup)
     monkeypatch.setattr("pretrain.train.evaluate.setup", no_setup)
+    monkeypatch.setattr("pretrain.unsharded.whole_model.setup", no_setup)
     # main() tears process groups down at exit; here they are the test session's
     monkeypatch.setattr("runtime.parallel.destroy", lambda: None)
     try:

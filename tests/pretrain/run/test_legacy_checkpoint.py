@@ -20,7 +20,6 @@ from pretrain.config import Config
 from pretrain.optim import build_optimizer
 from pretrain.run import checkpoint, identity
 from pretrain.run.checkpoint import weights_source
-from pretrain.run.identity import model_identity
 from runtime import weights
 from runtime.errors import CheckpointError
 from tests.fixtures.make_legacy_checkpoints import FIXTURES, TOKENS, config_for, logits
@@ -50,7 +49,7 @@ def test_retired_hybridnorm_star_block_is_refused_by_name():
     del fields["hybrid_prenorm_first_block"]
     today = config_for({**fields, "hybrid_first_block": "prenorm"})
     with pytest.raises(CheckpointError, match=r"model\.hybrid_first_block \('gated .*'prenorm'"):
-        weights_source(str(FIXTURES / "siamese_hybrid_star"), model_identity(today))
+        weights_source(str(FIXTURES / "siamese_hybrid_star"), today)
 
 
 def test_legacy_layernorm_identity_needs_norm_bias():
@@ -58,13 +57,13 @@ def test_legacy_layernorm_identity_needs_norm_bias():
     config = config_of("siamese")
     config.model.norm_bias = False
     with pytest.raises(CheckpointError, match=r"model\.norm_bias \(True in the checkpoint"):
-        weights_source(str(FIXTURES / "siamese"), model_identity(config))
+        weights_source(str(FIXTURES / "siamese"), config)
 
 
 @pytest.mark.parametrize("name", LOADABLE)
 def test_legacy_weights_compute_the_recorded_logits(name, single_rank, device):
     config = config_of(name)
-    found = weights_source(str(FIXTURES / name), model_identity(config))
+    found = weights_source(str(FIXTURES / name), config)
     chunks = build_model(config.model, config.parallel)
     before = logits(chunks, torch.tensor(TOKENS, device=device))
     weights.load(chunks, Path(found))
