@@ -11,7 +11,9 @@ A preset (TOML) names a base training config, overrides shared by every cell (``
 dotted keys), and one or more ``[[grid]]`` tables; each grid is the cross product of its
 ``schemes``, ``lrs``, ``warmup`` (steps) and ``layers`` lists, and the sweep runs the union of
 the grids (a cell named twice runs once). Extra ``--section.key=value`` arguments reach every
-cell. Each cell is one ``python -m pretrain train`` process in ``<out>/cells/<name>``; a cell
+cell. Before the first cell starts, every cell's config, tokenizer and data are checked as its
+trainer would check them: a mistake is one ``error:`` line naming the cell, exit 2, and no cell
+runs. Each cell is one ``python -m pretrain train`` process in ``<out>/cells/<name>``; a cell
 that finished has a ``result.json`` and is skipped when the sweep runs again, so an interrupted
 sweep resumes. A run the trainer aborts for repeated NaN/Inf steps (exit 3), or whose final
 validation loss is not finite or no better than at step 0, is recorded as ``diverged``; one
@@ -24,6 +26,7 @@ corpus, tokenizer and dataset are prepared once if missing. The report (``result
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import itertools
 import json
@@ -40,7 +43,8 @@ from pathlib import Path
 
 from lab.report import write_report
 from model.schemes import ResidualScheme
-from pretrain.config import load_config
+from pretrain.config import Config, load_config
+from pretrain.report import console
 from pretrain.train.diagnostics import LossSpikeDetector
 from runtime.errors import ConfigError, UserError
 from runtime.launcher import standalone_env
@@ -244,6 +248,20 @@ def mark_collapsed(result: dict, collapse_loss: float) -> dict:
     return result
 
 
+def preflight_inputs(config: Config) -> str:
+    """What :func:`pretrain.build.preflight` reads: the tokenizer and data settings, the
+    model's vocabulary and the samples a run draws (its length and sequence length). A
+    sweep's cells differ in none of them (scheme, depth, LR, warm-up and folder aside)."""
+    return repr((config.data, config.model.vocab_size, config.seq_length, config.run.steps))
+
+
+def last_error(log: Path, returncode: int) -> str:
+    """The last ``error:`` line a failed trainer wrote to its log, else its exit status."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    errors = [line for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else f"exit status {returncode}"
+
+
 def _median(values: list[float]) -> float:
     values = sorted(values)
     return values[len(values) // 2] if values else float("nan")
@@ -292,15 +310,42 @@ class Sweep:
         return [self.python, "-m", "pretrain", "train",
                 "--config", str(REPO / self.settings["base_config"]), *self.overrides(cell)]
 
+    def config(self, cell: Cell) -> Config:
+        """The cell's training config, as its trainer will load it; a mistake is one line
+        naming the cell."""
+        try:
+            return load_config(str(REPO / self.settings["base_config"]), self.overrides(cell))
+        except UserError as err:
+            raise type(err)(f"cell {cell.name}: {err}") from None
+
     def check(self) -> None:
         """Resolve every cell's training config before anything runs, so that a preset
         whose [train] keys, grid values or overrides the trainer would refuse fails now, in
         one line naming the cell, not after the first cells have trained."""
         for cell in self.cells:
-            try:
-                load_config(str(REPO / self.settings["base_config"]), self.overrides(cell))
-            except UserError as err:
-                raise ConfigError(f"cell {cell.name}: {err}") from None
+            self.config(cell)
+
+    def check_inputs(self, cells: list[Cell]) -> None:
+        """The rest of each cell's start-up check (:func:`pretrain.build.preflight`: the
+        tokenizer against the model's vocabulary, the data, its validation split) before the
+        first cell is launched: a mistake there fails every cell, and would otherwise be
+        found once per cell, each time in its own train.log. Checked from the repository
+        root, where the cells run (relative paths mean the same); cells that read the same
+        inputs are checked once, as the check reads every token of the data."""
+        from pretrain.build import preflight  # megatron: after console.setup() (main)
+
+        checked = set()
+        with contextlib.chdir(REPO):
+            for cell in cells:
+                config = self.config(cell)
+                inputs = preflight_inputs(config)
+                if inputs in checked:
+                    continue
+                try:
+                    preflight(config)
+                except UserError as err:
+                    raise type(err)(f"cell {cell.name}: {err}") from None
+                checked.add(inputs)
 
     def run_cell(self, cell: Cell) -> dict:
         folder = self.cell_dir(cell)
@@ -349,20 +394,34 @@ class Sweep:
     def selected(self, cell: Cell) -> bool:
         return not self.only or any(fnmatch.fnmatchcase(cell.name, p) for p in self.only)
 
+    def progress(self, cell: Cell, result: dict) -> str:
+        """A finished cell's console line: its final validation loss where it has one; a
+        failed cell (which never trained to the end) has none, so its line shows the error
+        its trainer gave and where its log is."""
+        log = self.cell_dir(cell) / "train.log"
+        loss = result["final_val_loss"]
+        if result["status"] == "failed":
+            outcome = f"failed ({last_error(log, result['returncode'])}; see {log})"
+        elif math.isfinite(loss):
+            outcome = f"{result['status']} val_loss {loss:.4f}"
+        else:
+            outcome = f"{result['status']} (no finite final validation loss)"
+        return f"{cell.name}: {outcome} ({result['wall_s']:.0f}s)"
+
     def run(self) -> int:
         self.check()
         todo = [c for c in self.cells if self.result(c) is None and self.selected(c)]
-        print(f"{len(self.cells)} cells, {len(self.cells) - len(todo)} finished, "
-              f"{len(todo)} to run with {self.jobs} job(s); output in {self.out}", flush=True)
         if todo and self.settings["data"] == "demo":
             prepare_demo_data(self.python)
+        self.check_inputs(todo)
+        print(f"{len(self.cells)} cells, {len(self.cells) - len(todo)} finished, "
+              f"{len(todo)} to run with {self.jobs} job(s); output in {self.out}", flush=True)
         failed = 0
         began = time.perf_counter()
 
         def one(cell: Cell) -> dict:
             result = self.judged(self.run_cell(cell))
-            print(f"[{time.perf_counter() - began:7.0f}s] {cell.name}: {result['status']} "
-                  f"val_loss {result['final_val_loss']:.4f} ({result['wall_s']:.0f}s)",
+            print(f"[{time.perf_counter() - began:7.0f}s] {self.progress(cell, result)}",
                   flush=True)
             return result
 
@@ -384,8 +443,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Mistakes in the command line, the preset or a cell's config print one ``error:`` line
-    and exit 2 before any cell runs; a sweep with failed cells exits 1."""
+    """Mistakes in the command line, the preset or a cell's config, tokenizer or data print
+    one ``error:`` line and exit 2 before any cell runs; a sweep with failed cells exits 1."""
+    console.setup()  # before megatron is imported (its notices)
     try:
         return _main(argv)
     except UserError as err:

@@ -150,14 +150,22 @@ def _legend(fig, plt, schemes: list[str], note: str, note_style: dict) -> None:
                frameon=False)
 
 
-def _draw_slice(ax, knob: str, subset: list[dict]) -> None:
-    """Final validation loss against one knob; a failed run is an x at its loss (collapsed)
-    or above the panel (diverged), nudged sideways per scheme so that none hides another."""
-    colors = _colors()
-    values = sorted({r[knob] for r in subset})
-    position = (lambda v: v) if knob != "warmup" else values.index
+def _failed_y(row: dict, top: float) -> float:
+    """Where a failed run's x goes: at its loss (collapsed), else above the panel (diverged)."""
+    return row["final_val_loss"] if math.isfinite(row["final_val_loss"]) else top
+
+
+def _top(subset: list[dict]) -> float:
+    """A height just above every finished run's loss, for the runs that have none."""
     ok = [r["final_val_loss"] for r in subset if r["status"] == "ok"]
-    top = max(ok) + 0.1 * (max(ok) - min(ok) + 0.1) if ok else 1.0
+    return max(ok) + 0.1 * (max(ok) - min(ok) + 0.1) if ok else 1.0
+
+
+def _draw_curves(ax, knob: str, subset: list[dict], values: list) -> None:
+    """One line per scheme over the knob's values (a log axis for the LR)."""
+    colors = _colors()
+    position = (lambda v: v) if knob != "warmup" else values.index
+    top = _top(subset)
     schemes = sorted({r["scheme"] for r in subset}, key=_scheme_key)
     for i, scheme in enumerate(schemes):
         mine = sorted((r for r in subset if r["scheme"] == scheme), key=lambda r: r[knob])
@@ -170,9 +178,8 @@ def _draw_slice(ax, knob: str, subset: list[dict]) -> None:
         ax.plot([position(r[knob]) for r in good], [r["final_val_loss"] for r in good], "o-",
                 color=colors.get(scheme), markersize=4)
         bad = [r for r in mine if r["status"] in FAILED_TRAINING]
-        ax.plot([nudge(r[knob]) for r in bad],
-                [r["final_val_loss"] if math.isfinite(r["final_val_loss"]) else top
-                 for r in bad], "x", color=colors.get(scheme), markersize=8, markeredgewidth=2)
+        ax.plot([nudge(r[knob]) for r in bad], [_failed_y(r, top) for r in bad], "x",
+                color=colors.get(scheme), markersize=8, markeredgewidth=2)
     if knob == "lr":
         ax.set_xscale("log")
         ax.minorticks_off()
@@ -180,6 +187,37 @@ def _draw_slice(ax, knob: str, subset: list[dict]) -> None:
     if knob == "warmup":
         ax.set_xlim(-0.5, len(values) - 0.5)
     ax.set_xlabel(AXIS[knob])
+
+
+def _draw_schemes(ax, knob: str, subset: list[dict]) -> None:
+    """A slice with one value of its knob (a sweep of one LR) is a comparison of schemes,
+    not a curve: one labelled position per scheme, the value in the axis label. (On a
+    knob axis every scheme would share one tick, and the sideways nudge that keeps failed
+    runs apart would fill the whole axis, so no marker would sit at the tick.)"""
+    colors = _colors()
+    top = _top(subset)
+    schemes = sorted({r["scheme"] for r in subset}, key=_scheme_key)
+    for x, scheme in enumerate(schemes):
+        for row in (r for r in subset if r["scheme"] == scheme):
+            if row["status"] == "ok":
+                ax.plot([x], [row["final_val_loss"]], "o", color=colors.get(scheme))
+            elif row["status"] in FAILED_TRAINING:
+                ax.plot([x], [_failed_y(row, top)], "x", color=colors.get(scheme),
+                        markersize=8, markeredgewidth=2)
+    ax.set_xticks(range(len(schemes)), schemes, fontsize=8)
+    ax.set_xlim(-0.5, len(schemes) - 0.5)
+    ax.set_xlabel(f"scheme, at {_value_text(knob, subset[0][knob])}")
+
+
+def draw_slice(ax, knob: str, subset: list[dict]) -> None:
+    """Final validation loss against one knob; a failed run is an x at its loss (collapsed)
+    or above the panel (diverged), nudged sideways per scheme so that none hides another.
+    A knob with one value draws the schemes side by side instead (:func:`_draw_schemes`)."""
+    values = sorted({r[knob] for r in subset})
+    if len(values) == 1:
+        _draw_schemes(ax, knob, subset)
+    else:
+        _draw_curves(ax, knob, subset, values)
     ax.set_ylabel("final validation loss")
     ax.grid(alpha=0.3)
 
@@ -195,9 +233,9 @@ def plot_val_vs_lr(rows: list[dict], path: Path) -> None:
         panels = [("lr", f, s) for f, s in slices(rows, "lr", 1)]
     fig, axes = _figure(plt, len(panels), 3.1)
     for ax, (knob, fixed, subset) in zip(axes.flat, panels, strict=False):
-        _draw_slice(ax, knob, subset)
-        ax.set_title(f"by {AXIS[knob].replace('peak ', '')}: {_fixed_text(knob, fixed)}",
-                     fontsize=9)
+        draw_slice(ax, knob, subset)
+        by = AXIS[knob].replace("peak ", "") if len({r[knob] for r in subset}) > 1 else "scheme"
+        ax.set_title(f"by {by}: {_fixed_text(knob, fixed)}", fontsize=9)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     schemes = sorted({r["scheme"] for r in rows}, key=_scheme_key)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,6 +59,63 @@ def test_command_line_mistakes(tmp_path, capsys):
     assert "--jobs (0) must be >= 1" in capsys.readouterr().err
     assert lr_sweep.main(["--preset", str(preset), "model.num_layers=3"]) == 2
     assert "is not a --section.key=value override" in capsys.readouterr().err
+
+
+def test_tokenizer_and_data_are_checked_before_any_cell_runs(tmp_path, capsys):
+    """A tokenizer (or data) every cell would refuse is one line naming the first cell, exit
+    2, before any cell starts: no cell folder, no process (this test is not slow, so a
+    launched cell would fail it, see tests/tiers.py)."""
+    missing = tmp_path / "missing.model"
+    preset = _preset(tmp_path / "p.toml", GRID.replace('["pre"]', '["pre", "siamese"]'),
+                     f'data.tokenizer = "{missing}"')
+    assert lr_sweep.main(["--preset", str(preset)]) == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"error: cell pre-L2-lr0.001-wu1: tokenizer '{missing}' does not exist"], err
+    assert not (tmp_path / "out").exists() and "to run" not in out
+
+
+def test_a_failed_cell_shows_its_error_not_a_loss(tmp_path, capsys, monkeypatch):
+    """A cell whose trainer failed never trained to a final loss: its console line gives the
+    trainer's error line and its log, and no "nan"."""
+    preset = _preset(tmp_path / "p.toml", GRID)
+    sweep = lr_sweep.Sweep(preset, tmp_path / "out", None, [])
+    monkeypatch.setattr(lr_sweep.Sweep, "check_inputs", lambda self, cells: None,
+                        raising=False)  # the tokenizer is not the point here
+
+    def trainer(command, stdout, **kwargs):  # a trainer that fails at start-up
+        stdout.write("error: data.prefixes: something the checks did not see\n")
+        return subprocess.CompletedProcess(command, 2)
+
+    monkeypatch.setattr(lr_sweep.subprocess, "run", trainer)
+    assert sweep.run() == 1
+    out = capsys.readouterr().out
+    log = tmp_path / "out" / "cells" / "pre-L2-lr0.001-wu1" / "train.log"
+    assert (f"pre-L2-lr0.001-wu1: failed (error: data.prefixes: something the checks did not "
+            f"see; see {log})") in out, out
+    assert "nan" not in out.lower()
+
+
+def test_one_lr_panel_compares_schemes_side_by_side():
+    """With one LR the panel's x axis is the schemes, each marker on its own labelled tick
+    (a log LR axis put every scheme at one tick and nudged failed runs to the panel's
+    edges)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{"scheme": s, "lr": 2e-2, "layers": 12, "warmup": 15, "status": status,
+             "final_val_loss": loss}
+            for s, status, loss in [("pre", "ok", 5.1), ("post", "collapsed", 6.0),
+                                    ("siamese", "ok", 5.4), ("hybridnorm", "diverged", math.nan)]]
+    fig, ax = plt.subplots()
+    report.draw_slice(ax, "lr", rows)
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["pre", "post", "siamese", "hybridnorm"]
+    assert "lr 0.02" in ax.get_xlabel()
+    marks = {float(x) for line in ax.get_lines() for x in line.get_xdata()}
+    assert marks == set(ax.get_xticks()) == {0, 1, 2, 3}
+    plt.close(fig)
 
 
 def _write_metrics(folder: Path, losses: list[float], val: dict[int, float]) -> None:
