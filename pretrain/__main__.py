@@ -21,7 +21,7 @@ import os  # noqa: E402
 
 from pretrain import arguments  # noqa: E402
 from pretrain.report import console  # noqa: E402
-from runtime.errors import UserError  # noqa: E402
+from runtime.errors import CheckpointError, DataError, UserError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     console.setup(verbose="--verbose" in argv)  # before megatron is imported (its notices)
     # Before the slow imports: a preemption during start-up is then a clean stop, not a kill.
     stop = (_EARLY_STOP or StopRequest.install()) if argv[:1] == ["train"] else None
+    args = None
     try:
         args, overrides = arguments.parse(argv)
         return _run(args, overrides, stop)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        hint = arguments.other_config_hint(args) if _config_may_be_wrong(args, err) else ""
+        print(f"error: {err}{hint}", file=sys.stderr)
         return 2
+
+
+def _config_may_be_wrong(args, err: UserError) -> bool:
+    """A missing tokenizer or dataset, or a checkpoint of another model: what a checkpoint
+    command given another run's config meets (the tokenizer mismatch says it itself)."""
+    return args is not None and isinstance(err, DataError | CheckpointError) \
+        and "--config" not in str(err)
 
 
 def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
@@ -63,9 +72,14 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
                          world_size=int(os.environ.get("WORLD_SIZE", 1)) if launched else None)
     if planning:
         from pretrain.report.dry_run import dry_run
+        from pretrain.train.loop import check_before_start
 
         if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank
-            print(dry_run(config))
+            print(dry_run(config), flush=True)
+        # then every check a real start makes before its first step: the plan is shown even
+        # where the data is not (a login node), and the exit status says whether a start
+        # here would be refused
+        check_before_start(config, path)
         return 0
     from pretrain.report.metrics import is_logging_rank, strict_json
     from pretrain.train.loop import TrainingAborted

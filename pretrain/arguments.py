@@ -96,12 +96,32 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(arguments, config overrides) of a command line; a malformed override or an argument
     the command does not take is a :class:`ConfigError`."""
     args, overrides = parser().parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--") or "=" not in o]
+    bad = [i for i, o in enumerate(overrides) if not o.startswith("--") or "=" not in o]
     if bad and args.command in ("train", *CHECKPOINT_COMMANDS):
-        raise ConfigError(f"command line: {bad[0]!r} is not a --section.key=value override")
+        following = overrides[bad[0] + 1] if bad[0] + 1 < len(overrides) else None
+        raise ConfigError(f"command line: {_slip(overrides[bad[0]], following)}")
     if overrides and args.command not in ("train", *CHECKPOINT_COMMANDS):
         raise ConfigError(f"command line: unrecognized arguments: {' '.join(overrides)}")
     return args, overrides
+
+
+def _slip(item: str, following: str | None) -> str:
+    """What an argument that is not a --section.key=value override was probably meant to be."""
+    if not item.startswith("-") and item.endswith(".toml"):
+        return f"{item!r} is not an argument of its own; give a config file as --config {item}"
+    if item.startswith("--") and following is not None and not following.startswith("-"):
+        return f"{item!r} needs its value after '=', not a space: {item}={following}"
+    return f"{item!r} is not a --section.key=value override"
+
+
+def checkpoint_config(checkpoint: str) -> Path | None:
+    """The config.toml of the run folder holding ``checkpoint`` (the checkpoint folder, a
+    run's checkpoints/ folder or the run folder), or None."""
+    path = Path(checkpoint)
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / "config.toml").is_file():
+            return folder / "config.toml"
+    return None
 
 
 def run_folder_config(args, overrides: list[str]) -> str:
@@ -110,13 +130,23 @@ def run_folder_config(args, overrides: list[str]) -> str:
     candidates = [Path(o.partition("=")[2]) / "config.toml"
                   for o in overrides if o.startswith("--run.dir=")]
     if args.command in CHECKPOINT_COMMANDS:
-        checkpoint = Path(args.checkpoint)
-        candidates += [folder / "config.toml"
-                       for folder in (checkpoint, checkpoint.parent, checkpoint.parent.parent)]
-    for candidate in candidates:
+        candidates.append(checkpoint_config(args.checkpoint))
+    for candidate in filter(None, candidates):
         if candidate.is_file():
             return str(candidate)
     where = ("--run.dir=RUN of an existing run" if args.command == "train"
              else "a --checkpoint inside a run folder that has config.toml")
     raise ConfigError(f"{args.command} needs --config FILE (e.g. --config "
                       f"configs/demo-cpu.toml), or {where}")
+
+
+def other_config_hint(args) -> str:
+    """For a checkpoint command given a --config other than the checkpoint's own: the hint
+    that the run folder's config.toml (what the checkpoint was trained with) is one flag away.
+    A missing tokenizer or dataset, or another model, is then most likely the wrong config."""
+    if args.command not in CHECKPOINT_COMMANDS or not args.config:
+        return ""
+    own = checkpoint_config(args.checkpoint)
+    if own is None or own.resolve() == Path(args.config).resolve():
+        return ""
+    return f"; the checkpoint's run folder has its own config ({own}): leave out --config to use it"

@@ -302,7 +302,8 @@ def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dic
         key, sep, value = body.partition("=")
         section, dot, name = key.partition(".")
         if not sep or not dot or not name or "." in name:
-            raise ConfigError(f"override {item!r} must look like --section.key=value")
+            raise ConfigError(f"override {item!r} must look like --section.key=value"
+                              f"{_section_hint(key, value) if sep and not dot else ''}")
         parsed = _parse_scalar(value)
         annotation = _field_type(section, name)
         if typing.get_origin(annotation) is list and not isinstance(parsed, list):
@@ -313,6 +314,14 @@ def apply_overrides(raw: dict[str, dict], overrides: list[str]) -> dict[str, dic
             adding.discard(key)
         raw.setdefault(section, {})[name] = parsed
     return raw
+
+
+def _section_hint(name: str, value: str) -> str:
+    """For an override without its section (--lr=1e-3): the sections that have the key."""
+    owners = [section for section, cls in typing.get_type_hints(Config).items()
+              if name in {f.name for f in dataclasses.fields(cls)}]
+    return "".join(f" (did you mean --{owner}.{name}={value}?)" for owner in owners[:1]) or \
+        f" (sections: {', '.join(f.name for f in dataclasses.fields(Config))})"
 
 
 def _list_items(text: str, item: type) -> list:

@@ -6,9 +6,16 @@ wanted (or the reverse) and an output under a regular file get their own words.
 
 from __future__ import annotations
 
+import glob
+import os
 from pathlib import Path
 
 from runtime.errors import ConfigError, UserError
+
+# Where `make demo` (scripts/demo.sh) writes the demo's corpus, tokenizer and data, which
+# configs/demo-cpu.toml reads (relative to the repository root, where commands run).
+DEMO_DATA = Path("runs/demo-data")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def require_file(path: str | Path, what: str,
@@ -19,8 +26,21 @@ def require_file(path: str | Path, what: str,
     if path.is_dir():
         raise error(f"{what} '{path}' is a folder, not a file")
     if not path.is_file():
-        raise error(f"{what} '{path}' does not exist")
+        raise error(f"{what} '{path}' does not exist{missing_hint(path)}")
     return path
+
+
+def missing_hint(path: Path) -> str:
+    """How a missing file is usually found: a sibling that extends its name (a tokenizer
+    given without ``.model``), or the command that creates the demo's files."""
+    if path.parent.is_dir():
+        near = sorted(path.parent.glob(glob.escape(path.name) + ".*"))
+        if near:
+            return f" (did you mean '{near[0]}'?)"
+    absolute = Path(os.path.abspath(path))
+    if DEMO_DATA in path.parents or REPO / DEMO_DATA in absolute.parents:
+        return "; `make demo` (or scripts/demo.sh) creates it"
+    return ""
 
 
 def require_folder(path: str | Path, what: str) -> Path:

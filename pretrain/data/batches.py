@@ -84,11 +84,13 @@ def check_data(config: Config, tokenizer) -> None:
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split))
     wanted = sample_counts(config)
     weights = normalize(data.weights or [1.0] * len(data.prefixes))
+    capacity = []
     for prefix, weight in zip(data.prefixes, weights, strict=True):
         count = check_dataset(prefix, tokenizer.vocab_size)
         _check_split_not_empty(prefix, count, data.split, split_matrix, wanted)
         if data.valid_samples:
-            _check_valid_set_fits(config, prefix, split_matrix[1], weight)
+            capacity.append((prefix, weight, _valid_sequences(config, prefix, split_matrix[1])))
+    _check_valid_set_fits(config, capacity)
 
 
 def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
@@ -161,25 +163,48 @@ def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix
                 f"({documents} documents in all); add documents or raise its share")
 
 
-def _check_valid_set_fits(config: Config, prefix: str, bounds, weight: float) -> None:
-    """The validation split of ``prefix`` holds its share of data.valid_samples (megatron asks
-    each prefix for ceil(valid_samples x weight)) without repeating a sample. megatron would
-    make up a shortfall with a second pass over the split, and a repeated sample counts twice
-    in every evaluation; refused instead, with the numbers the user can change."""
-    d = config.data
-    wanted = math.ceil(d.valid_samples * weight)
+def _valid_sequences(config: Config, prefix: str, bounds) -> int:
+    """Validation sequences the validation split of ``prefix`` holds without repeating one."""
     dataset = IndexedDataset(prefix)  # held: its lengths are a view of its memory map
     lengths = dataset.sequence_lengths  # megatron splits a prefix by sequence
     first, last = (int(round(b * len(lengths))) for b in bounds)
     # A sample reads seq_length + 1 tokens; consecutive samples share one.
     available = max(int(lengths[first:last].sum()) - 1, 0) // config.seq_length
     del dataset
-    if available < wanted:
+    return available
+
+
+def largest_valid_samples(capacity: list[tuple[str, float, int]], global_batch: int) -> int:
+    """The largest data.valid_samples (a multiple of the global batch) for which every prefix
+    (``capacity``: prefix, weight, sequences its split holds) can give its share."""
+    fits = min(available / weight for _, weight, available in capacity)
+    value = int(fits) // global_batch * global_batch
+    while value > 0 and any(math.ceil(value * weight) > available
+                            for _, weight, available in capacity):
+        value -= global_batch  # float rounding at the boundary
+    return value
+
+
+def _check_valid_set_fits(config: Config, capacity: list[tuple[str, float, int]]) -> None:
+    """The validation split of every prefix holds its share of data.valid_samples (megatron
+    asks each prefix for ceil(valid_samples x weight)) without repeating a sample. megatron
+    would make up a shortfall with a second pass over the split, and a repeated sample counts
+    twice in every evaluation; refused instead, naming the largest value that works."""
+    d = config.data
+    for prefix, weight, available in capacity:
+        wanted = math.ceil(d.valid_samples * weight)
+        if available >= wanted:
+            continue
+        largest = largest_valid_samples(capacity, d.global_batch_size)
+        fix = (f"the largest data.valid_samples that fits is {largest} (a multiple of "
+               f"data.global_batch_size {d.global_batch_size}), or raise the validation share"
+               if largest else
+               f"not even one global batch ({d.global_batch_size}) fits: raise the validation "
+               "share or add documents")
         raise DataError(
             f"data.valid_samples ({d.valid_samples}) asks '{prefix}' for {wanted} validation "
             f"sequences of {config.seq_length} tokens, but its validation split (data.split "
-            f"{d.split!r}) holds {available}; lower data.valid_samples or raise the "
-            "validation share")
+            f"{d.split!r}) holds {available}; {fix}")
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

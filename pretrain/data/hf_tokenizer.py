@@ -18,6 +18,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from pretrain.paths import require_file
 from runtime.errors import DataError
 
 EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -46,7 +47,7 @@ class HFTokenizer:
                             "tokenizer is a sentencepiece .model file, a Hugging Face "
                             "tokenizer.json, or a folder holding one)")
         if not file.is_file():
-            raise DataError(f"tokenizer '{path}' does not exist")
+            require_file(file, "tokenizer", DataError)
         blob = file.read_bytes()
         try:
             self.backend = Backend.from_str(blob.decode())

@@ -14,7 +14,7 @@ from model.megatron_config import transformer_config
 from model.schemes import Activation, FinalNorm, Recompute
 from pretrain.config import Config, to_toml, validate
 from pretrain.report.throughput import flops_per_token
-from pretrain.report.units import human
+from pretrain.report.units import count, human
 from runtime import cpu_compat, parallel
 
 
@@ -178,7 +178,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         + (", sequence parallel" if p.sequence_parallel else "")
         + f", recompute {p.recompute}",
         f"micro-batches per step: {d.global_batch_size // (d.micro_batch_size * dp)} "
-        f"of {d.micro_batch_size} sequences per data-parallel rank",
+        f"of {count(d.micro_batch_size, 'sequence')} per data-parallel rank",
         f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "
         f"total tokens: {human(tokens_per_step * config.run.steps)}",
         f"model FLOPs per token (forward + backward, Megatron-LM's formula): "

@@ -29,13 +29,14 @@ from pretrain.data.batches import (
     step_microbatches,
 )
 from pretrain.data.position import DataPosition
+from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
 from pretrain.optim import build_optimizer
 from pretrain.report import console
 from pretrain.report.metrics import MetricsLogger, check_wandb, is_logging_rank
 from pretrain.report.progress import Progress
 from pretrain.report.throughput import Throughput
-from pretrain.report.units import human
+from pretrain.report.units import count, human
 from pretrain.run import checkpoint
 from pretrain.run.folder import prepare_run_dir, run_metadata
 from pretrain.run.lock import RunLock
@@ -90,6 +91,15 @@ def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
     return {"stopped_at": at}
 
 
+def check_before_start(config: Config, config_path: str | None) -> tuple[Tokenizer, StartPoint]:
+    """Every check a start makes before a process group or model exists (what ``--dry-run``
+    runs too): W&B credentials, the tokenizer and the data (validation split included), and
+    what the run resumes or starts from. Reads only; returns (tokenizer, start point)."""
+    check_wandb(config)
+    tokenizer = preflight(config)
+    return tokenizer, check_start(config, config_path)
+
+
 def train(config: Config, stop: StopRequest | None = None,
           config_path: str | None = None) -> dict:
     """Train (resuming from the newest complete checkpoint in the run folder, if any).
@@ -100,9 +110,7 @@ def train(config: Config, stop: StopRequest | None = None,
     checkpoint to resume or load is (all before a process group or model exists) and the
     lock (one run per folder)."""
     stop = stop or StopRequest.install()
-    check_wandb(config)
-    tokenizer = preflight(config)
-    begin = check_start(config, config_path)
+    tokenizer, begin = check_before_start(config, config_path)
     chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
     if parallel.any_rank(stop.requested):  # start-up stops only together
@@ -271,9 +279,10 @@ def announce(config: Config, parameters: int, start: int, previous: Path | None)
     log.info("training %s: %s parameters (%d layers x %d, %d heads), %s on %s",
              m.residual_scheme, f"{parameters:,}", m.num_layers, m.hidden_size,
              m.num_attention_heads, str(params_dtype(config)).removeprefix("torch."), hardware)
-    log.info("layout: world %d = tp %d x pp %d x dp %d; %d micro-batches of %d sequences per "
-             "step and data-parallel rank", dist.get_world_size(), p.tp, p.pp, dp,
-             microbatches_per_step(d.global_batch_size, d.micro_batch_size), d.micro_batch_size)
+    micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
+    log.info("layout: world %d = tp %d x pp %d x dp %d; %s of %s per step and data-parallel "
+             "rank", dist.get_world_size(), p.tp, p.pp, dp, count(micro, "micro-batch"),
+             count(d.micro_batch_size, "sequence"))
     log.info("data: %s; %s tokens per step x %s steps = %s tokens",
              ", ".join(d.prefixes), f"{tokens:,}", f"{r.steps:,}", human(tokens * r.steps))
     if previous is not None:

@@ -16,7 +16,7 @@ from pretrain.config import Config
 from pretrain.data.position import START, DataPosition
 from pretrain.hf import llama as hf_llama
 from pretrain.run import checkpoint, identity
-from runtime.errors import ConfigError
+from runtime.errors import CheckpointError, ConfigError
 
 
 class StartPoint(NamedTuple):
@@ -70,9 +70,13 @@ def check_start(config: Config, config_path: str | None) -> StartPoint:
         weights = _init_source(r.init_from, config) if r.init_from else None
         return StartPoint(None, {}, START, weights, current)
     record = checkpoint.read_record(previous)
-    identity.check_model(record.get("model"), current["model"], previous)
-    identity.check_tokenizer(record.get("tokenizer"), config, previous)
-    identity.check_data(record.get("data"), current["data"], r.allow_data_change, previous)
+    try:
+        identity.check_model(record.get("model"), current["model"], previous)
+        identity.check_tokenizer(record.get("tokenizer"), config, previous)
+        identity.check_data(record.get("data"), current["data"], r.allow_data_change, previous)
+    except CheckpointError as err:  # the folder may simply be another run's
+        raise CheckpointError(f"{err} (run.dir '{run_dir}' holds a run this start would "
+                              "resume; for a new run choose another --run.dir)") from None
     edited = _config_edited(record, run_dir, config_path)
     if edited:
         raise ConfigError(edited)

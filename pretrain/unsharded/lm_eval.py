@@ -15,10 +15,13 @@ the checkpoint's training step.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
 from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
@@ -31,7 +34,7 @@ from pretrain.run.checkpoint import read_record
 from pretrain.unsharded.generate import Sampling, continue_tokens
 from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime import device
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, DataError
 
 
 class FrameworkLM(TemplateLM):
@@ -106,6 +109,53 @@ def _finite(value):
     return value if isinstance(value, str | int | float | bool | None) else str(value)
 
 
+# What building a task raises when its data is neither on this machine nor downloadable (no
+# network, or HF_HUB_OFFLINE): datasets wraps the Hub's failures in a builtin ConnectionError
+# (the Hub's OfflineModeIsEnabled is one too); a data file the Hub client cannot fetch and
+# has no cached copy of is its LocalEntryNotFoundError.
+DOWNLOAD_ERRORS = (ConnectionError, TimeoutError, LocalEntryNotFoundError)
+
+
+def load_tasks(manager: TaskManager, tasks: list[str]) -> list:
+    """The tasks built, their data read or downloaded, before the model is loaded: a task
+    whose data cannot be had is then one line naming it, in seconds, not a traceback after
+    the model load. Returns what :func:`simple_evaluate` takes instead of the names."""
+    built = []
+    for name in tasks:
+        try:
+            with _hub_retries_unreported():
+                loaded = manager.load(name)
+        except DOWNLOAD_ERRORS as err:
+            raise DataError(
+                f"lm-eval task {name} needs its data from the Hugging Face Hub, which could not "
+                f"be reached ({err}); without network, pass a local task with --include-path DIR "
+                f"(a task YAML over local files, e.g. dataset_path: json)") from None
+        built += _top_level(loaded)
+    return built
+
+
+@contextlib.contextmanager
+def _hub_retries_unreported():
+    """The Hub client's warnings (a line per failed request and per retry, five retries a
+    request) held back while a task's data loads: a download that fails in the end is one
+    error line of its own, and one that succeeds on a retry needs none."""
+    hub = logging.getLogger("huggingface_hub")
+    level = hub.level
+    hub.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hub.setLevel(level)
+
+
+def _top_level(loaded: dict) -> list:
+    """The groups and tasks of a :meth:`TaskManager.load` result that no group holds (a
+    group brings its members itself)."""
+    members = {child for children in loaded["group_map"].values() for child in children}
+    return [item for name, item in [*loaded["groups"].items(), *loaded["tasks"].items()]
+            if name not in members]
+
+
 def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path: str | None,
                 num_fewshot: int | None, limit: int | None) -> dict:
     """Score ``tasks`` with the checkpoint's model; {"checkpoint", "tasks", "results"}."""
@@ -115,9 +165,10 @@ def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path:
     if unknown:
         raise ConfigError(f"lm-eval --tasks: unknown task(s) {', '.join(unknown)}"
                           + ("" if include_path else " (local tasks need --include-path)"))
+    built = load_tasks(manager, tasks)
     model, tokenizer, found = load_whole(config, checkpoint)
     lm = FrameworkLM(model, tokenizer, tokenizer.vocab_size, config.model.seq_length)
-    out = simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+    out = simple_evaluate(model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit,
                           task_manager=manager, log_samples=False)
     result = {"checkpoint": str(found), "tasks": tasks, "results": _finite(out["results"])}
     run_dir = Path(config.run.dir)

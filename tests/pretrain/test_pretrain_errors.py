@@ -11,6 +11,7 @@ failure so that a case the checks let through cannot start training here.
 import contextlib
 import hashlib
 import logging
+import re
 import shutil
 import signal
 import warnings
@@ -46,6 +47,9 @@ def ctx(tmp_path_factory):
     (root / "part.jsonl").write_text("\n".join(lines) + "\n")
     cli("prepare-data", str(root / "part.jsonl"), "--tokenizer", data["tokenizer"],
         "--output", str(root / "data" / "part"))
+    moved = (run / "config.toml").read_text().replace(data["tokenizer"], str(root / "gone.model"))
+    assert moved != (run / "config.toml").read_text()
+    (root / "other-run.toml").write_text(moved)
     _damaged_copies(root, run)
     _damaged_data(root, data)
     _bad_tomls(root)
@@ -158,6 +162,13 @@ CASES = {
                    c["data"]["tokenizer"][:-len(".model")], "--vocab-size", "512"],
         ["tok.model", "already exists"]),
     "unknown command": (lambda c: ["fly"], ["command line", "fly"]),
+    # a dry run refuses what the start it plans would refuse, after printing the plan
+    "dry run of a start with too large a validation set": (
+        lambda c: [*_train(c, "--data.valid_samples=8000"), "--dry-run"],
+        ["data.valid_samples (8000)", "the largest data.valid_samples that fits is"]),
+    "dry run without the data": (
+        lambda c: [*_train(c, f"--data.prefixes={_in(c, 'data', 'nothing')}"), "--dry-run"],
+        ["nothing.bin", "does not exist"]),
     "negative peak TFLOP/s": (lambda c: _train(c, "--logging.peak_tflops=-989"),
                               ["logging.peak_tflops (-989.0)", ">= 0"]),
     "no validation share": (lambda c: _train(c, "--data.split=100,0,0"),
@@ -285,7 +296,8 @@ EARLY_CASES = {
     "resume with other vocabulary": (lambda c: _resume(c, "finished", "--model.vocab_size=1024"),
                                      ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
     "resume with other width": (lambda c: _resume(c, "finished", "--model.hidden_size=128"),
-                                ["model.hidden_size (64 in the checkpoint, 128 here)"]),
+                                ["model.hidden_size (64 in the checkpoint, 128 here)",
+                                 "for a new run choose another --run.dir"]),
     "resume with other scheme": (lambda c: _resume(c, "finished", "--model.residual_scheme=pre"),
                                  ["model.residual_scheme ('siamese' in the checkpoint"]),
     "resume with other batch": (
@@ -323,6 +335,24 @@ EARLY_CASES = {
         lambda c: _train(c, f"--run.init_from={_in(c, 'finished')}/checkpoints",
                          *_small_tokenizer(c)),
         ["another tokenizer", "small.model"]),
+    # natural slips: each message names the fix
+    "config file without --config": (lambda c: ["train", "configs/demo-cpu.toml"],
+                                     ["'configs/demo-cpu.toml'", "--config configs/demo-cpu.toml"]),
+    "override value after a space": (lambda c: [*_train(c), "--optim.lr", "1e-3"],
+                                     ["'--optim.lr'", "--optim.lr=1e-3"]),
+    "override without its section": (lambda c: [*_train(c), "--lr=1e-3"],
+                                     ["'--lr=1e-3'", "did you mean --optim.lr=1e-3"]),
+    "tokenizer without .model": (
+        lambda c: ["prepare-data", c["data"]["corpus"], "--tokenizer",
+                   c["data"]["tokenizer"][:-len(".model")], "--output", _in(c, "new-data")],
+        ["does not exist", "did you mean", "tok.model'"]),
+    "demo config before the demo ran": (
+        lambda c: _train(c, "--data.tokenizer=runs/demo-data/never-made.model"),
+        ["never-made.model", "does not exist", "make demo"]),
+    "eval with another run's config": (
+        lambda c: ["eval", "--config", _in(c, "other-run.toml"), "--checkpoint",
+                   _in(c, "finished", "checkpoints")],
+        ["gone.model", "does not exist", "finished/config.toml", "leave out --config"]),
     "eval of other vocabulary": (lambda c: _eval(c, "finished", "--model.vocab_size=1024"),
                                  ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
     "eval without a validation set": (lambda c: _eval(c, "finished", "--data.valid_samples=0"),
@@ -402,3 +432,16 @@ def test_early_bad_input_is_one_line_and_damages_nothing(ctx, case, capfd, monke
         code = main(make_args(ctx))
     _check(capfd.readouterr().err, code, fragments, before, ctx["root"])
 
+
+
+def test_the_validation_size_named_is_the_largest_that_works(ctx):
+    """The refusal of too large a validation set names a value; a dry run (every start check)
+    accepts that value and refuses the next multiple of the global batch."""
+    done = cli(*_train(ctx, "--data.valid_samples=8000"), "--dry-run", check=False)
+    largest = int(re.search(r"the largest data.valid_samples that fits is (\d+)",
+                            done.stderr).group(1))
+    assert largest > 0 and largest % 8 == 0, done.stderr
+    fits = cli(*_train(ctx, f"--data.valid_samples={largest}"), "--dry-run", check=False)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    over = cli(*_train(ctx, f"--data.valid_samples={largest + 8}"), "--dry-run", check=False)
+    assert over.returncode == 2 and f"is {largest} " in over.stderr, over.stderr[-2000:]

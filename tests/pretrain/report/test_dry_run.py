@@ -1,4 +1,8 @@
-"""`train --dry-run` resolves a preset and reports sizes and layout without training."""
+"""`train --dry-run` resolves a preset and reports sizes and layout without training, then
+runs every check a start makes: exit 0 where a start would begin, else the start's one
+`error:` line and exit 2. The presets read data this machine does not have (the demo's is made
+by `make demo`, the paper's by the cluster set-up), so here their refusals name a missing
+tokenizer or dataset; tests/pretrain/test_pretrain_errors.py dry-runs with real data."""
 
 import json
 import re
@@ -38,11 +42,21 @@ def _check_report(out: str) -> float:
     return float(memory.group(1))
 
 
+def _check_verdict(status: int, err: str) -> None:
+    """A start here passes, or is refused for the data or tokenizer this machine lacks."""
+    if status != 0:
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert status == 2 and len(errors) == 1 and "does not exist" in errors[0], err[-2000:]
+        assert "tokenizer" in errors[0] or "data file" in errors[0], errors
+
+
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p not in PAPER],
                          ids=lambda p: p.stem)
 def test_every_preset_dry_runs(preset, tmp_path):
-    done = cli("train", "--config", str(preset), "--dry-run", f"--run.dir={tmp_path / 'run'}")
+    done = cli("train", "--config", str(preset), "--dry-run", f"--run.dir={tmp_path / 'run'}",
+               check=False)
     _check_report(done.stdout)
+    _check_verdict(done.returncode, done.stderr)
     assert not (tmp_path / "run").exists(), "a dry run must not create the run folder"
 
 
@@ -59,12 +73,12 @@ user_env = {**os.environ, "WORLD_SIZE": sys.argv[1]}
 for preset in sys.argv[4:]:
     os.environ.clear()  # each dry run starts as from the shell: its one-rank set-up sets RANK
     os.environ.update(user_env)
-    report = io.StringIO()
-    with contextlib.redirect_stdout(report):
+    report, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(report), contextlib.redirect_stderr(errors):
         status = main(["train", "--config", preset, "--dry-run", f"--run.dir={run_dir}"])
     for world in gpus[1:]:
         validate(load_config(preset), world_size=world)
-    out[preset] = [status, report.getvalue()]
+    out[preset] = [status, report.getvalue(), errors.getvalue()]
 print(json.dumps(out))
 """
 
@@ -78,8 +92,8 @@ def test_every_paper_preset_dry_runs_and_fits_8_32_and_64_gpus(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     reports = json.loads(done.stdout.strip().splitlines()[-1])
     assert sorted(reports) == sorted(map(str, PAPER))
-    for preset, (status, out) in reports.items():
-        assert status == 0, (preset, out)
+    for preset, (status, out, err) in reports.items():
+        _check_verdict(status, err)
         assert f"layout: world {GPUS[0]} = tp 1 x pp 1 x dp {GPUS[0]}" in out, preset
         if "/1.3b/" in preset:  # 8.0672e9 by Megatron-LM's own expression (test_throughput.py)
             assert "Megatron-LM's formula): 8.07 GFLOP" in out, preset
@@ -90,7 +104,8 @@ def test_every_paper_preset_dry_runs_and_fits_8_32_and_64_gpus(tmp_path):
 def test_dry_run_reflects_overrides_and_layout():
     done = cli("train", "--config", "configs/demo-cpu.toml", "--dry-run",
                "--model.residual_scheme=pre", "--parallel.tp=2", "--data.global_batch_size=64",
-               extra_env={"WORLD_SIZE": "8"})
+               extra_env={"WORLD_SIZE": "8"}, check=False)
+    _check_verdict(done.returncode, done.stderr)
     out = done.stdout
     assert 'residual_scheme = "pre"' in out
     assert "world 8 = tp 2 x pp 1 x dp 4" in out
