@@ -15,6 +15,7 @@ from model.builder import build_model, wrap_ddp
 from pretrain.config import Config, ParamsDtype
 from pretrain.data.batches import check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
+from pretrain.report import console
 from runtime import device, parallel
 from runtime.errors import ConfigError
 
@@ -49,6 +50,8 @@ def setup(config: Config) -> list:
     """Process groups and the DDP-wrapped model chunks (after :func:`preflight`)."""
     if config.run.deterministic:  # before NCCL and cuBLAS start
         device.make_deterministic()
+    if not device.uses_cuda():
+        console.quiet_cpu_notices()
     parallel.initialize(config.parallel, seed=config.run.seed)
     dtype = params_dtype(config)
     chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend,

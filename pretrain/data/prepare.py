@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
@@ -32,6 +33,9 @@ from runtime.errors import ConfigError, DataError
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
 # the few in flight (2 per worker) bound memory; the corpus is never held whole.
 CHUNK_DOCUMENTS = 256
+# Without a terminal (a log file) a progress bar is one long line of carriage returns: a plain
+# line at most this often instead.
+LOG_SECONDS = 30.0
 # Token ids scanned at once by check_dataset: bounded memory on arbitrarily large files.
 SCAN_TOKENS = 1 << 26
 
@@ -84,14 +88,20 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> tuple[int, int]:
     """One item and one document per input document, as Megatron-LM's preprocessing writes
     them without sentence splitting."""
     documents = tokens = 0
-    with tqdm(desc="tokenising", unit="doc", file=sys.stderr) as progress:
+    terminal = sys.stderr.isatty()
+    last_line = time.monotonic()
+    with tqdm(desc="tokenising", unit="doc", file=sys.stderr, disable=not terminal) as bar:
         for ids, lengths in chunks:
             for document in np.split(ids, np.cumsum(lengths)[:-1]):
                 builder.add_item(torch.from_numpy(document))
                 builder.end_document()
             documents += len(lengths)
             tokens += len(ids)
-            progress.update(len(lengths))
+            bar.update(len(lengths))
+            if not terminal and time.monotonic() - last_line >= LOG_SECONDS:
+                print(f"tokenising: {documents:,} documents, {tokens:,} tokens", file=sys.stderr,
+                      flush=True)
+                last_line = time.monotonic()
     return documents, tokens
 
 

@@ -19,6 +19,7 @@ Either way the vocabulary padding is dropped, weights go to ``safetensors`` (sha
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -157,6 +158,16 @@ def llama_tensors(remote: dict[str, torch.Tensor], model: ModelConfig) -> dict[s
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def _save(save_file, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, with the mode any new file gets here (0666 less the umask):
+    safetensors creates its files readable by their owner only, which hides an export from
+    the group it was made for."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_sharded(tensors: dict[str, torch.Tensor], output: Path) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors shards plus their index."""
     from safetensors.torch import save_file
@@ -171,12 +182,12 @@ def save_sharded(tensors: dict[str, torch.Tensor], output: Path) -> None:
         shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(output / "model.safetensors"), metadata={"format": "pt"})
+        _save(save_file, shards[0], output / "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(output / file), metadata={"format": "pt"})
+        _save(save_file, shard, output / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (output / "model.safetensors.index.json").write_text(json.dumps(

@@ -38,12 +38,19 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
      "torch.distributed.checkpoint's notice when a single process reads a checkpoint"),
     (UserWarning, "The argument order of load has been changed",
      "torch.distributed.checkpoint notice raised from megatron's loader"),
-    (UserWarning, "When using sequence parallelism it is recommended to set",
-     "a CUDA_DEVICE_MAX_CONNECTIONS hint megatron prints even on CPU ranks"),
     (SyntaxWarning, "invalid escape sequence", "a docstring in megatron's source"),
     (UserWarning, "Could not determine rank from torch.distributed",
      "megatron's dataset reader logs through torch.distributed; the data checks read the data "
      "before process groups exist, so that mistakes fail in seconds"),
+)
+
+# Notices about CUDA that megatron gives on CPU ranks too, where they cannot apply; on a GPU
+# they are advice and stay (filtered by :func:`quiet_cpu_notices`).
+CPU_NOTICES: tuple[tuple[type[Warning], str, str], ...] = (
+    (UserWarning, "When using sequence parallelism it is recommended to set",
+     "CUDA_DEVICE_MAX_CONNECTIONS orders CUDA streams; a CPU rank has none"),
+    (UserWarning, "When using async grad allreduce it is recommended to set",
+     "the same hint for tensor-parallel linears, once per rank and layer type"),
 )
 
 # megatron log records (logger "megatron.*", level WARNING) that describe megatron itself.
@@ -72,9 +79,13 @@ class _ShortName(logging.Formatter):
         return super().format(record)
 
 
+_verbose = False
+
+
 def setup(verbose: bool = False) -> None:
     """Console logging and warning filters for one process (idempotent)."""
-    verbose = verbose or os.environ.get("PRETRAIN_VERBOSE") == "1"
+    global _verbose
+    verbose = _verbose = verbose or os.environ.get("PRETRAIN_VERBOSE") == "1"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_ShortName("[%(short)s] %(message)s"))
     root = logging.getLogger()
@@ -94,3 +105,11 @@ def quiet_other_ranks(is_logging_rank: bool) -> None:
     """Only the rank that holds the loss prints progress; the others keep warnings/errors."""
     if not is_logging_rank:
         logging.getLogger("pretrain").setLevel(logging.WARNING)
+
+
+def quiet_cpu_notices() -> None:
+    """Once the process knows it computes on the CPU: drop megatron's CUDA advice
+    (:data:`CPU_NOTICES`), unless the console is verbose."""
+    if not _verbose:
+        for category, text, _why in CPU_NOTICES:
+            warnings.filterwarnings("ignore", message=re.escape(text), category=category)

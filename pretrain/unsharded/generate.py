@@ -21,6 +21,7 @@ import torch
 
 from model.config import require
 from pretrain.config import Config
+from pretrain.data.tokenizer import Tokenizer
 from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime import device
 
@@ -82,6 +83,14 @@ def continue_tokens(model, prompt: list[int], sampling: Sampling, vocab_size: in
     return ids[len(prompt):]
 
 
+def completion(tokenizer: Tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``prompt``. Decoded with the prompt, then cut: decoding
+    ``new`` alone would drop the space its first piece starts with (sentencepiece reads a
+    leading "▁" as the dummy prefix of a text's start)."""
+    head, whole = tokenizer.decode(prompt), tokenizer.decode([*prompt, *new])
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
+
+
 def generate_from_checkpoint(config: Config, path: str, prompts: list[str],
                              sampling: Sampling) -> list[dict]:
     """One {"prompt", "completion", "tokens"} per prompt, from the checkpoint ``path`` of the
@@ -95,6 +104,6 @@ def generate_from_checkpoint(config: Config, path: str, prompts: list[str],
         require(len(ids) >= 1, "--prompt must not be empty")
         new = continue_tokens(model, ids, sampling, tokenizer.vocab_size,
                               config.model.seq_length, tokenizer.eod)
-        results.append({"prompt": prompt, "completion": tokenizer.decode(new),
+        results.append({"prompt": prompt, "completion": completion(tokenizer, ids, new),
                         "tokens": len(new)})
     return results

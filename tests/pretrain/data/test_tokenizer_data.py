@@ -31,6 +31,7 @@ from pretrain.data.tokenizer import (
     open_tokenizer,
     train_tokenizer,
 )
+from pretrain.unsharded.generate import completion
 from runtime.errors import UserError
 
 VOCAB = 400
@@ -304,3 +305,29 @@ def test_bad_datasets(tmp_path):
     _raises(f"data file '{prefix}.idx' does not exist", check_dataset, str(prefix), 500)
     _raises(f"data file '{tmp_path}/none.bin' does not exist", check_dataset,
             str(tmp_path / "none"), 500)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "unigram"])
+def test_a_completion_keeps_the_space_it_starts_with(tokenizers, corpus, kind):
+    """Whatever token a prompt ends at, prompt text + completion text = the whole text; the
+    completion of a prompt ending before a word starts with that word's space."""
+    tok = tokenizers[kind]
+    text = corpus[1][0][:200]
+    ids = tok.encode(text)
+    for cut in range(1, len(ids)):
+        head, tail = ids[:cut], ids[cut:]
+        assert tok.decode(head) + completion(tok, head, tail) == tok.decode(ids), cut
+    starts_with_space = [cut for cut in range(1, len(ids))
+                         if completion(tok, ids[:cut], ids[cut:]).startswith(" ")]
+    assert starts_with_space, text  # the case decoding the new ids alone got wrong
+
+
+def test_prepare_data_writes_lines_not_a_bar_to_a_log(tokenizers, corpus, tmp_path, capfd,
+                                                      monkeypatch):
+    """stderr is no terminal here (as in a slurm log): no carriage returns, plain lines."""
+    monkeypatch.setattr("pretrain.data.prepare.LOG_SECONDS", 0.0)
+    capfd.readouterr()
+    prepare_data([str(corpus[0])], tokenizers["bpe"].path, str(tmp_path / "logged"))
+    err = capfd.readouterr().err
+    assert "\r" not in err, err[:500]
+    assert "tokenising:" in err and "documents" in err, err[:500]

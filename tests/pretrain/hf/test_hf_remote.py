@@ -162,6 +162,15 @@ def test_folders_hold_the_files_transformers_reads(exported):
     assert config["residual_scheme"] == "hc" and config["hc_rate"] == 4
 
 
+def test_weights_get_the_mode_of_every_other_file(exported):
+    """A group that can read config.json can read the weights (safetensors alone would make
+    them owner-only)."""
+    for folder in exported[2].values():
+        mode = (folder / "config.json").stat().st_mode & 0o777
+        for weights in folder.glob("*.safetensors"):
+            assert weights.stat().st_mode & 0o777 == mode, (weights, oct(mode))
+
+
 def test_large_models_are_written_in_shards_with_an_index(exported):
     """hc's folder (16 KiB shards) loaded above like the others; every tensor is in one shard
     and the index names each one's file."""

@@ -52,7 +52,8 @@ def test_generate_prints_one_line_per_prompt(run, loaded):
     tok = open_tokenizer(loaded[1].data.tokenizer)
     greedy = continue_tokens(loaded[0], tok.encode(PROMPT), Sampling(max_tokens=12),
                              loaded[1].model.vocab_size, loaded[1].model.seq_length, tok.eod)
-    assert first["completion"] == tok.decode(greedy)
+    # the prompt and its completion read as the whole text (its first space kept)
+    assert PROMPT + first["completion"] == tok.decode(tok.encode(PROMPT) + greedy)
 
 
 def test_greedy_is_top_k_one_and_sampling_is_seeded(loaded):
