@@ -5,7 +5,8 @@ scheme (no export needed), on the CPU or a GPU: log-likelihoods of continuations
 choice tasks such as hellaswag or arc), rolling log-likelihoods (perplexity tasks) and greedy
 generation until a stop string. Requests are scored one sequence at a time, each in a window
 of at most ``model.seq_length`` tokens (the most recent kept), which is simple and exact but
-does not batch.
+does not batch. The tasks are built (their data read or downloaded) before the model loads,
+so a task that cannot be had fails in seconds, in one line.
 
 Results are printed, appended to the run folder's ``eval.jsonl`` (with the checkpoint and
 tasks), next to the validation results of ``eval``, and logged to the run's W&B run (unless

@@ -10,7 +10,7 @@ from model.builder import build_model
 from pretrain.config import load_config
 from pretrain.data.tokenizer import open_tokenizer
 from runtime import weights
-from tests.pretrain_fixtures import cli
+from tests.pretrain_fixtures import REPO, cli
 from tests.wandb_reader import read_run
 
 QUESTIONS = [
@@ -35,6 +35,13 @@ metric_list:
   - metric: acc
 """
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+# A task over a Hub dataset that no machine has cached: without network it cannot be built.
+HUB_TASK = TASK.replace("task: tiny_choice", "task: hub_choice").replace(
+    "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n",
+    "dataset_path: siamesenorm-tests/not-on-this-machine\n").replace(
+    "  - metric: acc\n", "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+UNREACHABLE = ("error: lm-eval task hub_choice needs its data from the Hugging Face Hub, which "
+               "could not be reached (")
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +94,39 @@ def test_local_task_accuracy_equals_direct_loglikelihood(single_rank, setup):
     [row] = [row for row in history if "lm_eval/tiny_choice/acc" in row]
     assert row["lm_eval/tiny_choice/acc"] == pytest.approx(accuracy, abs=1e-12)
     assert row["lm_eval/step"] == 6
+
+
+def test_task_without_network_is_one_line_before_the_model_loads(tmp_path, monkeypatch):
+    """A task whose data must be downloaded, with the Hub unreachable (its client offline,
+    as without network), is one DataError naming the task and --include-path, raised before
+    the checkpoint is even looked at."""
+    import huggingface_hub.constants
+
+    from pretrain.unsharded import lm_eval
+    from runtime.errors import DataError
+
+    (tmp_path / "hub_choice.yaml").write_text(HUB_TASK)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def load_whole(*_args):
+        raise AssertionError("the model was loaded before the tasks")
+
+    monkeypatch.setattr(lm_eval, "load_whole", load_whole)
+    config = load_config(str(REPO / "configs" / "demo-cpu.toml"), [], training=False)
+    with pytest.raises(DataError) as err:
+        lm_eval.run_lm_eval(config, str(tmp_path / "no-checkpoint"), ["hub_choice"],
+                            str(tmp_path), None, 1)
+    assert f"error: {err.value}".startswith(UNREACHABLE), err.value
+    assert "--include-path DIR" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_task_without_network_from_the_command_line(trained_run, tmp_path):
+    """The same through the CLI, from a real checkpoint, with the Hub offline: exit 2 and
+    one line on stderr (it used to be a ConnectionError traceback, exit 1)."""
+    (tmp_path / "hub_choice.yaml").write_text(HUB_TASK)
+    done = cli("lm-eval", "--checkpoint", str(trained_run / "checkpoints"), "--tasks",
+               "hub_choice", "--include-path", str(tmp_path), check=False, extra_env=OFFLINE)
+    assert done.returncode == 2, done.stderr[-3000:]
+    [line] = done.stderr.splitlines()
+    assert line.startswith(UNREACHABLE), line
