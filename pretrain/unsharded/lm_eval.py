@@ -8,10 +8,10 @@ of at most ``model.seq_length`` tokens (the most recent kept), which is simple a
 does not batch. The tasks are built (their data read or downloaded) before the model loads,
 so a task that cannot be had fails in seconds, in one line.
 
-Results are printed, appended to the run folder's ``eval.jsonl`` (with the checkpoint and
-tasks), next to the validation results of ``eval``, and logged to the run's W&B run (unless
-``logging.wandb_mode`` is disabled) as ``lm_eval/<task>/<metric>`` against ``lm_eval/step``,
-the checkpoint's training step.
+Results are printed, appended to ``eval.jsonl`` of the checkpoint's run folder (with the
+checkpoint and tasks; whatever --config says), next to the validation results of ``eval``,
+and logged to the run's W&B run (unless ``logging.wandb_mode`` is disabled) as
+``lm_eval/<task>/<metric>`` against ``lm_eval/step``, the checkpoint's training step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from pathlib import Path
 
 import torch
 from huggingface_hub.errors import LocalEntryNotFoundError
@@ -31,8 +30,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.report.metrics import MetricsLogger, strict_json
-from pretrain.run.checkpoint import read_record
-from pretrain.unsharded.generate import Sampling, continue_tokens
+from pretrain.run.checkpoint import read_record, run_folder
+from pretrain.unsharded.generate import Sampling, completion, continue_tokens
 from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime import device
 from runtime.errors import ConfigError, DataError
@@ -90,9 +89,10 @@ class FrameworkLM(TemplateLM):
             until = options.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
             sampling = Sampling(max_tokens=int(options.get("max_gen_toks", 256)))
-            new = continue_tokens(self.model, self.tok_encode(context), sampling,
-                                  self.vocab_size, self.seq_length, self.eot_token_id)
-            text = self.tok.decode(new)
+            ids = self.tok_encode(context)
+            new = continue_tokens(self.model, ids, sampling, self.vocab_size, self.seq_length,
+                                  self.eot_token_id)
+            text = completion(self.tok, ids, new)
             for stop in until:
                 text = text.split(stop)[0]
             outputs.append(text)
@@ -172,10 +172,10 @@ def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path:
     out = simple_evaluate(model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit,
                           task_manager=manager, log_samples=False)
     result = {"checkpoint": str(found), "tasks": tasks, "results": _finite(out["results"])}
-    run_dir = Path(config.run.dir)
-    if run_dir.is_dir():
-        with (run_dir / "eval.jsonl").open("a") as f:
-            f.write(strict_json(result) + "\n")
+    run_dir = run_folder(found)  # results go next to the checkpoint they describe
+    with (run_dir / "eval.jsonl").open("a") as f:
+        f.write(strict_json(result) + "\n")
+    if (run_dir / "config.toml").is_file():  # a run folder: its W&B run gets the scores
         logger = MetricsLogger(config, run_dir, {})
         logger.log_evaluation("lm_eval", read_record(found)["step"],
                               scores(result["results"]))

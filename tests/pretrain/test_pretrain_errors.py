@@ -366,8 +366,16 @@ EARLY_CASES = {
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in root.rglob("*") if p.is_file()}
+    """Every file (by content) and folder under ``root``: a refused command may neither change
+    nor create anything."""
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in root.rglob("*")}
+
+
+def _damage(before: dict[str, str], root: Path) -> list[str]:
+    after = _snapshot(root)
+    changed = [p for p, digest in before.items() if after.get(p) != digest]
+    return changed + [f"{p} (created)" for p in after.keys() - before.keys()]
 
 
 def _check(stderr: str, code: int, fragments: list[str], before: dict, root: Path) -> None:
@@ -377,9 +385,8 @@ def _check(stderr: str, code: int, fragments: list[str], before: dict, root: Pat
     assert len(errors) == 1 and stderr.strip().endswith(errors[0]), stderr[-2000:]
     for fragment in fragments:
         assert fragment in errors[0], (fragment, errors[0])
-    after = _snapshot(root)
-    changed = [p for p, digest in before.items() if after.get(p) != digest]
-    assert not changed, changed
+    damage = _damage(before, root)
+    assert not damage, damage
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -445,3 +452,16 @@ def test_the_validation_size_named_is_the_largest_that_works(ctx):
     assert fits.returncode == 0, fits.stderr[-2000:]
     over = cli(*_train(ctx, f"--data.valid_samples={largest + 8}"), "--dry-run", check=False)
     assert over.returncode == 2 and f"is {largest} " in over.stderr, over.stderr[-2000:]
+
+
+def test_the_damage_check_sees_changed_and_created_files_and_folders(tmp_path):
+    """The control for every case above: what a refused command could leave behind."""
+    (tmp_path / "kept").write_text("x")
+    before = _snapshot(tmp_path)
+    assert _damage(before, tmp_path) == []
+    (tmp_path / "kept").write_text("y")
+    (tmp_path / "new-run").mkdir()
+    (tmp_path / "new-run" / "config.toml").write_text("")
+    assert sorted(_damage(before, tmp_path)) == [
+        str(tmp_path / "kept"), f"{tmp_path / 'new-run'} (created)",
+        f"{tmp_path / 'new-run' / 'config.toml'} (created)"]

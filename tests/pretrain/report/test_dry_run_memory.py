@@ -7,8 +7,11 @@ one H100 80GB HBM3, torch 2.11, megatron-core 0.19.2, no Transformer Engine), ta
 local linears, the Triton norms and no recomputation. Activation memory there is the peak
 allocated during forward+backward minus what was allocated just before it (weights, fp32
 gradient buffers, optimizer state). They come from the GPU, not from this code, so the estimate
-can fail them; the bound is 15% on each scheme's memory (the target) and 3% on its ratio to
-pre.
+can fail them. The bound is what docs/memory.md claims, 0.5% on each value and on each ratio
+to pre: the estimate leaves out RoPE's cos/sin and the norms' statistics, which put it
+0.14-0.37% below these measurements; an estimate off by one kept [tokens, hidden] bf16 tensor
+per layer (~3% of what a layer keeps) fails it, as the old 15% bound did not. Pre's ratio is 1
+by definition, so the ratio is checked only for the other schemes.
 
 Only schemes whose layers keep the same tensors as when they were measured are here. The
 report also measured siamese (1.092 x pre unfused, 1.109 fused), siamese_hybrid (1.164, 1.193)
@@ -29,8 +32,8 @@ PAPER_1_3B = ["--model.num_layers=16", "--model.hidden_size=2048",
               "--model.num_attention_heads=32", "--model.num_query_groups=8",
               "--model.ffn_hidden_size=8192", "--model.vocab_size=50304",
               "--model.seq_length=4096"]
-TOLERANCE = 0.15
-RATIO_TOLERANCE = 0.03
+TOLERANCE = 0.005
+RATIO_TOLERANCE = 0.005
 UNFUSED = Fusions()
 # The report's "megatron fusions on": bias_activation_fusion, bias_dropout_fusion and the
 # native cross_entropy_loss_fusion (the dropout fusion keeps nothing more or less at p = 0).
@@ -64,6 +67,8 @@ def estimate_gib(scheme: str, micro_batch: int, fusions: Fusions) -> float:
 def test_activation_estimate_matches_the_gpu_at_the_1_3b_shape(micro_batch, fusions, pre_gib,
                                                                  scheme, ratio):
     estimate = estimate_gib(scheme, micro_batch, fusions)
-    estimated_ratio = estimate / estimate_gib("pre", micro_batch, fusions)
     assert estimate == pytest.approx(pre_gib * ratio, rel=TOLERANCE), (estimate, pre_gib * ratio)
-    assert estimated_ratio == pytest.approx(ratio, rel=RATIO_TOLERANCE), (estimated_ratio, ratio)
+    if scheme != "pre":
+        estimated_ratio = estimate / estimate_gib("pre", micro_batch, fusions)
+        assert estimated_ratio == pytest.approx(ratio, rel=RATIO_TOLERANCE), (estimated_ratio,
+                                                                              ratio)
