@@ -70,6 +70,9 @@ if [[ -z $nproc ]]; then  # one rank per visible GPU; CPU-only machines get one 
   nproc=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
   ((nproc > 0)) || nproc=1
 fi
+# torchrun's own default for several ranks on a node (one OpenMP thread each), set here so that
+# it does not print a notice about it at every start; set OMP_NUM_THREADS to choose another.
+((nproc == 1)) || export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z ${PYTHON:-} ]]; then
   PYTHON=python3
@@ -90,6 +93,9 @@ else
   [[ -n $local_addr ]] && args+=(--local-addr "$local_addr")
 fi
 
+# torchrun runs through launch/torchrun_main.py: when the ranks exit 2 (a user's mistake, one
+# `error:` line from rank 0) or 3 (an aborted run), so does this script, without torchrun's
+# failure report; any other failure keeps it.
 # SIGUSR1 asks the ranks to save a checkpoint and stop: a normal end, after which torchrun must
 # exit 0 as its ranks do (under slurm, a failed node would take the others down with it).
 # torchrun exits 1 after any signal it handles, so it ignores USR1 instead (the ignore is
@@ -98,7 +104,7 @@ fi
 # of the step); a second USR1 changes nothing. SIGTERM and SIGINT go to torchrun, which passes
 # them on and waits up to SHUTDOWN_TIMEOUT for the ranks to exit.
 set +e
-( trap '' USR1; exec "$PYTHON" -m torch.distributed.run "${args[@]}" -m pretrain "$@" ) &
+( trap '' USR1; exec "$PYTHON" "$repo/launch/torchrun_main.py" "${args[@]}" -m pretrain "$@" ) &
 torchrun=$!
 trap 'pkill -USR1 -P "$torchrun"' USR1
 trap 'kill -TERM "$torchrun" 2>/dev/null' TERM

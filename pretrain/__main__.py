@@ -22,6 +22,7 @@ import os  # noqa: E402
 from pretrain import arguments  # noqa: E402
 from pretrain.report import console  # noqa: E402
 from runtime.errors import CheckpointError, DataError, UserError  # noqa: E402
+from runtime.launcher import report_error  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, overrides, stop)
     except UserError as err:
         hint = arguments.other_config_hint(args) if _config_may_be_wrong(args, err) else ""
-        print(f"error: {err}{hint}", file=sys.stderr)
+        report_error(f"{err}{hint}")
         return 2
 
 
@@ -118,7 +119,7 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
             if is_logging_rank():  # the rank that holds the loss prints the result, once
                 print(strict_json(result))
         except TrainingAborted as err:
-            print(f"error: {err}", file=sys.stderr)
+            report_error(str(err))
             return 3
         finally:
             parallel.destroy()  # NCCL wants its groups torn down before the process exits

@@ -1,14 +1,19 @@
-"""The launcher's environment: what torchrun (or slurm's srun through it) tells a process, and
-how to start a child process or a local rendezvous without it."""
+"""The launcher's environment: what torchrun (or slurm's srun through it) tells a process, how
+to start a child process or a local rendezvous without it, and how a rank reports a mistake
+once for the whole launch."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
+import time
 
-# What torchrun (and launchers like it) set for a process to join their group.
+# What torchrun (and launchers like it) set for one process of their group: to join it, and
+# where to report its failure.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")
 
 
 def standalone_env(environ=os.environ) -> dict[str, str]:
@@ -22,3 +27,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def report_error(message: str) -> None:
+    """``error: MESSAGE`` on stderr once per launch, not once per rank: every rank meets the
+    same mistake (each reads the same config, data and checkpoint). Under torchrun each rank
+    writes it to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``), where
+    torchrun's failure report shows it, and only rank 0 prints it; ``launch/torchrun_main.py``
+    prints it where rank 0 did not (a mistake only another rank met). A process without such
+    a file prints it."""
+    line = f"error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun's own format (torch.distributed.elastic's ErrorHandler)
+        stamp = str(int(time.time()))
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": stamp}}}, f)
+    if os.environ.get("RANK", "0") == "0" or not error_file:
+        print(line, file=sys.stderr)
