@@ -71,6 +71,22 @@ class _DropKnownNotices(logging.Filter):
                        for text, _ in KNOWN_MEGATRON_NOTICES)
 
 
+class _PrintedElsewhere(logging.Filter):
+    """Drops a record that a handler of its own logger family already printed: libraries
+    such as datasets and huggingface_hub give their top logger a stderr handler and still
+    pass records on to the root, so each of their lines would show twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger = logging.getLogger(record.name)
+        while logger is not None and logger is not logging.root:
+            if logger.handlers:
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
 class _ShortName(logging.Formatter):
     """``[pretrain] ...`` for ours, ``[megatron] ...`` for megatron's (its top-level name)."""
 
@@ -88,6 +104,7 @@ def setup(verbose: bool = False) -> None:
     verbose = _verbose = verbose or os.environ.get("PRETRAIN_VERBOSE") == "1"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_ShortName("[%(short)s] %(message)s"))
+    handler.addFilter(_PrintedElsewhere())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)

@@ -171,3 +171,30 @@ def test_on_a_terminal_progress_is_one_live_line():
     bar = [part for part in text.split("\r") if "4/4" in part]
     assert bar and "loss 2.5000 lr 1.00e-03 grad_norm 0.500 1,000 tok/s" in bar[-1], text
     assert text.count("\n") <= 3, text  # redrawn in place, not one line per step
+
+
+def test_a_library_line_with_its_own_handler_shows_once(capfd):
+    """datasets and huggingface_hub print through their own stderr handler and also pass the
+    record to the root: the console shows it once, and our own lines still show."""
+    import logging
+    import sys
+
+    from pretrain.report import console
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    library = logging.getLogger("somelibrary")
+    own = logging.StreamHandler(sys.stderr)
+    library.addHandler(own)
+    try:
+        console.setup()
+        capfd.readouterr()
+        logging.getLogger("somelibrary.part").warning("a library line")
+        logging.getLogger("pretrain").warning("a line of ours")
+        err = capfd.readouterr().err
+    finally:
+        library.removeHandler(own)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert err.count("a library line") == 1, err
+    assert "[pretrain] a line of ours" in err, err
