@@ -48,15 +48,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def backward_programs(n_rows: int, sm_count: int, num_warps: int) -> int:
+    """Backward programs on a GPU of ``sm_count`` SMs, each looping over a contiguous block of
+    rows: enough to keep ~32 warps resident per SM (where registers allow), but at least 16
+    rows each, so the fp32 weight-gradient partials (programs x h each) stay small next to the
+    rows they sum."""
+    return max(1, min(triton.cdiv(n_rows, 16), max(1, 32 // num_warps) * sm_count))
+
+
 def _programs(n_rows: int, device: torch.device, num_warps: int) -> int:
-    """Backward programs, each looping over a contiguous block of rows: enough to keep ~32
-    warps resident per SM (where registers allow), but at least 16 rows each on a GPU, so the
-    fp32 weight-gradient partials (programs x h each) stay small next to the rows they sum.
-    Without CUDA (the interpreter) up to 4, so tests see several partials."""
+    """:func:`backward_programs` on this device; without CUDA (the interpreter) up to 4, so
+    tests see several partials."""
     if device.type != "cuda":
         return max(1, min(n_rows, 4))
-    resident = max(1, 32 // num_warps) * _sm_count(device.index or 0)
-    return max(1, min(triton.cdiv(n_rows, 16), resident))
+    return backward_programs(n_rows, _sm_count(device.index or 0), num_warps)
 
 
 def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):

@@ -1,0 +1,183 @@
+"""What every Triton kernel launch of the model compiles to on the GPUs we target, measured on a
+CPU machine: registers per thread, spilled bytes, shared memory, programs resident per SM and
+the waves a 16k-row launch takes.
+
+    python -m bench.kernel_resources [--arch 90] [--hidden 256,1024,2048,4096,8192]
+        [--dtype bf16,fp32] [--norm rmsnorm,layernorm+bias,layernorm] [--rows 16384]
+        [--sms 132] [--json]
+
+Each launch ``bench.triton_launches`` records for those widths, dtypes and norms is compiled by
+Triton for ``sm_ARCH`` (90: H100, 80: A100, 100: B200) and its PTX assembled once more by the
+ptxas Triton ships, with ``-v``, which reports registers and spills (a compiled kernel reads
+them from the driver, which this machine need not have). Occupancy follows from those numbers
+the way the hardware allocates: registers per warp rounded up to 256 of a 64K register file,
+at most 64 warps and 32 programs per SM, shared memory per program plus 1 KiB reserved. A
+forward launch has one program per ROWS rows; a backward launch the grid
+``kernels.triton_ops.backward_programs`` gives on ``--sms`` SMs. Waves above 1 mean programs
+wait for others to finish; a last wave that is a small fraction leaves most SMs idle.
+
+Compiling takes a few seconds per launch the first time (Triton caches the result). Runs
+without a GPU and without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+import torch
+from triton.backends.nvidia.compiler import get_ptxas
+
+from bench.common import int_list, markdown_table, versions_line
+from bench.triton_launches import NORMS, Case, arg_type, compile_launch, record_launches
+from kernels.triton_ops import backward_programs
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+NORM_NAMES = {Case(torch.float32, rms, bias, 0).norm: (rms, bias) for rms, bias in NORMS}
+# Per SM, for the architectures Triton targets here: register file, warps, programs, and
+# shared memory a kernel may use (KiB), from NVIDIA's tuning guides.
+REGISTERS, MAX_WARPS, MAX_PROGRAMS = 65536, 64, 32
+SHARED_KIB = {80: 164, 90: 228, 100: 228}
+RESERVED_SHARED = 1024  # bytes the system keeps per resident program (sm_80 on)
+
+
+class Resources(NamedTuple):
+    registers: int  # per thread
+    spill_stores: int  # bytes per thread
+    spill_loads: int
+    shared: int  # bytes per program
+
+
+def ptxas_resources(ptx: str, arch: int, shared: int) -> Resources:
+    """Registers and spills of ``ptx`` for ``sm_ARCH``, from ptxas -v."""
+    ptxas = get_ptxas(arch).path
+    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, f"-arch={target}", "-v", source, "-o",
+                               os.path.join(folder, "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    registers = re.search(r"Used (\d+) registers", done.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas report: {done.stderr[-500:]}")
+    return Resources(int(registers.group(1)), int(spills.group(1)), int(spills.group(2)),
+                     shared)
+
+
+def programs_per_sm(resources: Resources, num_warps: int, arch: int) -> int:
+    """How many programs of ``num_warps`` warps one SM holds at once: registers are given out
+    per warp in units of 256 (32 threads x registers rounded up to 8), shared memory per
+    program with 1 KiB reserved, and no SM holds more than 64 warps or 32 programs."""
+    per_warp = math.ceil(32 * math.ceil(resources.registers / 8) * 8 / 256) * 256
+    by_registers = (REGISTERS // per_warp) // num_warps
+    by_shared = (SHARED_KIB[arch] * 1024 // (resources.shared + RESERVED_SHARED)
+                 if resources.shared else MAX_PROGRAMS)
+    return min(by_registers, MAX_WARPS // num_warps, by_shared, MAX_PROGRAMS)
+
+
+def grid(kernel: str, constexprs: dict, num_warps: int, rows: int, sms: int) -> int:
+    """Programs a launch over ``rows`` rows starts (the ops' own grid rules)."""
+    if kernel.endswith("_bwd"):
+        return backward_programs(rows, sms, num_warps)
+    return math.ceil(rows / constexprs["ROWS"])
+
+
+def measure(cases: list[Case], arches: list[int], rows: int, sms: int) -> list[dict]:
+    """One row per distinct launch (kernel, argument types, constexprs) and architecture."""
+    seen, out = set(), []
+    for name, args, kwargs, case in record_launches(cases):
+        key = (name, tuple(arg_type(a) for a in args), tuple(sorted(kwargs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        num_warps = kwargs["num_warps"]
+        for arch in arches:
+            compiled = compile_launch(name, args, dict(kwargs), arch)
+            found = ptxas_resources(compiled.asm["ptx"], arch, compiled.metadata.shared)
+            resident = programs_per_sm(found, num_warps, arch)
+            programs = grid(name, constexprs, num_warps, rows, sms)
+            out.append({
+                "arch": arch, "kernel": name, "variant": _variant(name, constexprs),
+                "norm": case.norm, "dtype": "bf16" if case.dtype == torch.bfloat16 else "fp32",
+                "hidden": case.hidden, "tile": _tile(constexprs), "num_warps": num_warps,
+                **found._asdict(),
+                "programs_per_sm": resident, "grid": programs,
+                "waves": programs / (resident * sms),
+            })
+    return out
+
+
+def _variant(kernel: str, constexprs: dict) -> str:
+    """What a launch of a shared kernel computes: its flags that are on (the norm's own,
+    IS_RMS and HAS_BIAS, are in the norm column)."""
+    flags = [k.lower() for k, v in constexprs.items()
+             if v is True and k not in ("IS_RMS", "HAS_BIAS")]
+    return "+".join(flags) or "-"
+
+
+def _tile(constexprs: dict) -> str:
+    """Rows x values per row of a program's tile (the Q/K/V norm's rows hold heads x dim)."""
+    width = constexprs.get("BLOCK") or f"{constexprs['HEADS']}x{constexprs['DIM']}"
+    return f"{constexprs['ROWS']}x{width}"
+
+
+def table(rows: list[dict]) -> str:
+    header = ["sm", "kernel", "variant", "norm", "dtype", "hidden", "tile", "warps",
+              "regs", "spills st/ld B", "shared KiB", "programs/SM", "waves"]
+    body = [[str(r["arch"]), r["kernel"], r["variant"], r["norm"], r["dtype"], str(r["hidden"]),
+             r["tile"], str(r["num_warps"]), str(r["registers"]),
+             f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.1f}",
+             str(r["programs_per_sm"]), f"{r['waves']:.2f}"] for r in rows]
+    return markdown_table(header, body, right_from=5)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int_list, default=[90], help="e.g. 80,90,100")
+    p.add_argument("--hidden", type=int_list, default=[256, 1024, 2048, 4096, 8192])
+    p.add_argument("--dtype", default="bf16,fp32")
+    p.add_argument("--norm", default=",".join(NORM_NAMES))
+    p.add_argument("--rows", type=int, default=16384, help="rows of one launch (tokens)")
+    p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (H100 SXM: 132)")
+    p.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    args = p.parse_args(argv)
+    for arch in args.arch:
+        if arch not in SHARED_KIB:
+            p.error(f"--arch {arch}: one of {', '.join(map(str, SHARED_KIB))}")
+    for name, known in (("dtype", DTYPES), ("norm", NORM_NAMES)):
+        for value in getattr(args, name).split(","):
+            if value not in known:
+                p.error(f"--{name} {value}: one of {', '.join(known)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("bench.kernel_resources compiles kernels: run it without "
+                         "TRITON_INTERPRET=1")
+    cases = [Case(DTYPES[d], *NORM_NAMES[n], h) for h in args.hidden
+             for d in args.dtype.split(",") for n in args.norm.split(",")]
+    rows = measure(cases, args.arch, args.rows, args.sms)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    print(f"{len(rows)} launches compiled ({versions_line()}); {args.rows:,} rows on "
+          f"{args.sms} SMs; {len(spilling)} spill")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
