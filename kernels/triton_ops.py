@@ -64,6 +64,14 @@ def _programs(n_rows: int, device: torch.device, num_warps: int) -> int:
     return backward_programs(n_rows, _sm_count(device.index or 0), num_warps)
 
 
+def weight_grad_partials(programs: int, slots: int, width: int,
+                         device: torch.device) -> torch.Tensor:
+    """fp32 weight-gradient partials of a backward launch: ``slots`` rows of ``width`` per
+    program launched. Not zero-filled: every program stores all its slots (its
+    accumulators, zero for a program that got no rows), so a fill would write them twice."""
+    return torch.empty((programs, slots, width), dtype=torch.float32, device=device)
+
+
 def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
     sums = partials.sum(0)
     return [None if p is None else sums[i].to(p.dtype) for i, p in enumerate(params)]
@@ -101,7 +109,7 @@ class NormFunction(torch.autograd.Function):
         dr = torch.empty_like(dx) if ctx.has_residual else dx
         launch = _launch_args(n_cols, NORM_BACKWARD_TILE)
         programs = _programs(n_rows, rows.device, launch["num_warps"])
-        partials = torch.zeros((programs, 2, n_cols), dtype=torch.float32, device=rows.device)
+        partials = weight_grad_partials(programs, 2, n_cols, rows.device)
         if n_rows:
             kern.norm_bwd[(programs,)](
                 rows, rows.stride(0), res, res.stride(0), ctx.alpha, weight, stats, grad, dx,
@@ -168,7 +176,7 @@ class EntryFunction(torch.autograd.Function):
         dr = torch.empty_like(dx, dtype=rr.dtype) if f["update"] else dx
         launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE)
         programs = _programs(n_rows, xr.device, launch["num_warps"])
-        partials = torch.zeros((programs, 6, n_cols), dtype=torch.float32, device=xr.device)
+        partials = weight_grad_partials(programs, 6, n_cols, xr.device)
         if n_rows:
             kern.entry_bwd[(programs,)](
                 xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
@@ -248,7 +256,7 @@ class QKVNormFunction(torch.autograd.Function):
         dmixed = torch.empty_like(rows)
         launch = _head_launch_args(heads, dim, QKV_BACKWARD_TILE)
         programs = _programs(n_rows, rows.device, launch["num_warps"])
-        partials = torch.zeros((programs, 6, dim), dtype=torch.float32, device=rows.device)
+        partials = weight_grad_partials(programs, 6, dim, rows.device)
         if n_rows:
             kern.qkv_norm_bwd[(programs,)](
                 rows, wq, wk, wv, stats, gq, gk, gv, dmixed, partials, n_rows, heads, dim,
