@@ -51,9 +51,26 @@ def _torch_adams(optimizer):
 
 
 def _fuse_groups(torch_optimizer: torch.optim.Optimizer, fused: bool = True) -> None:
-    """Step with torch's fused kernel, or (``fused`` false) let torch choose, its default."""
+    """Step with torch's fused kernel, or (``fused`` false) let torch choose, its default;
+    each parameter's ``step`` counter then sits where that kernel wants it."""
     for group in torch_optimizer.param_groups:
         group["foreach"], group["fused"] = (False, True) if fused else (None, None)
+    _place_steps(torch_optimizer)
+
+
+def _place_steps(torch_optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's Adam ``step`` on the device torch's own first step would put it: the
+    parameter's for the fused (and capturable) kernels, which refuse a CPU ``step`` next to
+    CUDA parameters, else the CPU (the other kernels read it as a number there). A state
+    loaded from a checkpoint of the other choice, or primed before a load, arrives on the
+    wrong one."""
+    for group in torch_optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = torch_optimizer.state.get(param)
+            if state and "step" in state:
+                where = param.device if on_device else torch.device("cpu")
+                state["step"] = state["step"].to(where, torch.float32)
 
 
 def use_fused_kernels(optimizer) -> None:
@@ -110,6 +127,7 @@ def prime_state(optimizer) -> None:
         inner.init_state_fn(torch_optimizer, inner.config)
         for state in torch_optimizer.state.values():
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
+        _place_steps(torch_optimizer)
 
 
 def load_state(optimizer, state_dict: dict) -> None:
