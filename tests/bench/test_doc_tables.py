@@ -40,6 +40,7 @@ def test_cpu_compat_times_steps_with_and_without_the_mode(single_rank, monkeypat
                                         "--seq", "16", "--batch", "2", "--vocab", "64",
                                         "--repeats", "2", "--warmup", "1"])
     times = bench_cpu_compat.measure(args)
+    assert bench_cpu_compat.parse_args(["--clock", "cpu"]).clock == "cpu"
     assert {k: len(v) for k, v in times.items()} == {"with the mode": 2, "without the mode": 2}
     assert len(seen) == 3 and all(seen)  # the mode was in force before each popped step
     # and popped inside it: a step without the mode leaves the stack as it found it
@@ -57,3 +58,10 @@ def test_without_mode_pops_the_cpu_layers_mode(single_rank):
         inside = torch.overrides._get_current_function_mode_stack()
     assert len(inside) == len(before) - 1
     assert torch.overrides._get_current_function_mode_stack() == before
+
+
+def test_cpu_compat_overhead_is_the_median_of_each_rounds_ratio():
+    times = {"with the mode": [1.1, 3.0, 1.2, 1.3], "without the mode": [1.0, 2.0, 1.0, 1.0]}
+    text = bench_cpu_compat.report(times)  # round ratios 1.1, 1.5, 1.2, 1.3: median 1.25
+    assert "overhead of the mode: +25.0% of a step, +250.0 ms" in text  # diffs .1 1 .2 .3
+    assert "| with the mode | 1250.0 | 1.250 |" in text  # medians 1.25 s and 1.0 s
