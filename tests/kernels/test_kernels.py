@@ -46,24 +46,33 @@ def test_cpu_layer_is_inert_when_cuda_exists(monkeypatch):
 
 def test_cpu_layer_is_scoped(monkeypatch):
     """Entered, it redirects megatron's CUDA bookkeeping; left, every patched function is the
-    original again (the test session holds it open, so the scope is checked from outside)."""
+    original again (the test session holds it open, so the scope is checked from outside). On
+    a machine with CUDA, where the layer is inert (checked above), the CPU is what
+    runtime.device is told it computes on, so the layer enters there too."""
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils
 
-    if torch.cuda.is_available():
-        pytest.skip("the CPU layer is inert with CUDA (checked above)")
+    monkeypatch.setattr(cpu_compat.device, "uses_cuda", lambda: False)
     monkeypatch.setattr(cpu_compat, "_depth", 0)  # as if no entry point had entered it
     names = ("current_device", "synchronize", "manual_seed", "get_rng_state")
-    before = [getattr(torch.cuda, n) for n in names] + [mrandom._get_cuda_rng_state]
+    megatron = [(mrandom, "_get_cuda_rng_state"), (mrandom, "_set_cuda_rng_state"),
+                (utils, "get_default_causal_mask"), (fused_softmax, "get_default_causal_mask")]
+    before = [getattr(torch.cuda, n) for n in names]
+    before_megatron = [getattr(obj, n) for obj, n in megatron]
     with monkeypatch.context() as m:
         for name in names:  # put back by monkeypatch even if the scope failed to
             m.setattr(torch.cuda, name, getattr(torch.cuda, name))
+        for obj, name in megatron:
+            m.setattr(obj, name, getattr(obj, name))
         with cpu_compat.enabled() as active:
             assert active and cpu_compat.active()
             assert torch.cuda.current_device() == torch.device("cpu")
             assert torch.zeros(1, device="cuda").device.type == "cpu"
+            assert mrandom._get_cuda_rng_state is cpu_compat._cpu_rng_state
         assert not cpu_compat.active()
-        assert [getattr(torch.cuda, n) for n in names] == before[:-1]
-        assert mrandom._get_cuda_rng_state is before[-1]
+        assert [getattr(torch.cuda, n) for n in names] == before
+        assert [getattr(obj, n) for obj, n in megatron] == before_megatron
 
 
 class _StandInTENorm(Norm):
