@@ -34,6 +34,7 @@ from pretrain.config import Config
 from pretrain.data.position import DataPosition
 from pretrain.optim import check_schedule, load_state, prime_state
 from pretrain.run import identity
+from pretrain.run.failure import save_failure
 from runtime import device, weights
 from runtime.errors import CheckpointError
 from runtime.parallel import any_rank
@@ -147,7 +148,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
         if _rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
-        reason = weights.first_line(failure) if failure is not None else "failed on another rank"
+        reason = save_failure(failure, root) if failure is not None else "failed on another rank"
         raise CheckpointError(f"saving checkpoint step {step} to '{root}' failed ({reason}); "
                               f"{latest_text(root)}")
     if _rank0():

@@ -83,10 +83,12 @@ def _limit_file_size(size: int):
     return apply
 
 
-def _assert_previous_checkpoint_kept(root: Path, stderr: str, code: int) -> None:
+def _assert_previous_checkpoint_kept(root: Path, stderr: str, code: int, cause: str) -> None:
+    """One error line naming the cause (``os.strerror`` of it) and the checkpoints folder."""
     assert code == 2, stderr[-2000:]
     line = _error_line(stderr)
     assert "saving checkpoint step 6" in line and "failed" in line, line
+    assert f"({cause}: '{root / 'checkpoints'}'" in line, line
     assert "the latest checkpoint is" in line and "step_00000003" in line, line
 
 
@@ -101,7 +103,7 @@ def test_a_save_that_cannot_be_written_keeps_the_previous_checkpoint(data, finis
             f"--data.cache_dir={tmp_path / 'cache'}")],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300,
         preexec_fn=_limit_file_size(64 * 1024))
-    _assert_previous_checkpoint_kept(run, done.stderr, done.returncode)
+    _assert_previous_checkpoint_kept(run, done.stderr, done.returncode, "File too large")
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000003"]
     assert (root / "latest").read_text() == "step_00000003"
@@ -133,7 +135,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(data, finished,
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     stderr, _, listing = done.stderr.rpartition("exit=")
     code, *names = listing.split()
-    _assert_previous_checkpoint_kept(disk / "run", stderr, int(code))
+    _assert_previous_checkpoint_kept(disk / "run", stderr, int(code),
+                                     "No space left on device")
     assert sorted(names) == ["latest", "step_00000003"], listing
 
 
