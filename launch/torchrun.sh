@@ -94,8 +94,8 @@ else
 fi
 
 # torchrun runs through launch/torchrun_main.py: when the ranks exit 2 (a user's mistake, one
-# `error:` line from rank 0) or 3 (an aborted run), so does this script, without torchrun's
-# failure report; any other failure keeps it.
+# `error:` line from rank 0), 3 (an aborted run) or 4 (a hang: pretrain/train/watchdog.py), so
+# does this script, without torchrun's failure report; any other failure keeps it.
 # SIGUSR1 asks the ranks to save a checkpoint and stop: a normal end, after which torchrun must
 # exit 0 as its ranks do (under slurm, a failed node would take the others down with it).
 # torchrun exits 1 after any signal it handles, so it ignores USR1 instead (the ignore is

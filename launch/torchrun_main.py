@@ -3,13 +3,14 @@
 This is torchrun (``torch.distributed.run``) except for how a launch ends that ``python -m
 pretrain`` has already explained. Its ranks exit 2 on a user's mistake, after one ``error:``
 line (rank 0 prints it, every rank writes it to its torchrun error file: see
-:func:`runtime.launcher.report_error`), and 3 on an aborted run; torchrun would add a report
-of the failed ranks, a traceback of its own, and exit 1. When every failed rank exited with
-the same one of those statuses (ranks that torchrun itself stopped with SIGTERM after the
-first failure aside), the launch exits with it and adds nothing: no report, and none of
-torchrun's lines about which worker failed and which it stopped. Where rank 0 wrote no
-``error:`` line (a mistake only another rank met), the lowest failed rank's line is printed.
-Any other failure keeps torchrun's report and exit status.
+:func:`runtime.launcher.report_error`), 3 on an aborted run and 4 on a hang (after a line
+saying where the rank wrote its stacks); torchrun would add a report of the failed ranks, a
+traceback of its own, and exit 1. When every failed rank exited with the same one of those
+statuses (ranks that torchrun itself stopped with SIGTERM after the first failure aside),
+the launch exits with it and adds nothing: no report, and none of torchrun's lines about which
+worker failed and which it stopped. Where rank 0 wrote no ``error:`` line (a mistake only
+another rank met), the lowest failed rank's line is printed. Any other failure keeps
+torchrun's report and exit status.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
-# The exit statuses of `python -m pretrain` that come with their own explanation.
-EXPLAINED = (2, 3)
+# The exit statuses of `python -m pretrain` that come with their own explanation (4:
+# pretrain.train.watchdog.HANG_EXIT, not imported: this script runs before any path is set).
+EXPLAINED = (2, 3, 4)
 # How a rank ends that torchrun stopped because another one failed.
 STOPPED = -signal.SIGTERM
 # The logger of torchrun's lines about its workers (which failed, which it stopped).

@@ -3,7 +3,8 @@
 Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf, lm-eval.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
-an aborted run (e.g. repeated NaN/Inf) exits 3.
+an aborted run (e.g. repeated NaN/Inf) exits 3; a rank the hang watchdog ended
+(pretrain.train.watchdog) exits 4.
 """
 
 from __future__ import annotations

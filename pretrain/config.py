@@ -131,6 +131,16 @@ class RunConfig:
     deterministic: bool = False
     """Bit-reproducible GPU kernels (cuBLAS, NCCL, SDPA backward; see runtime.device), so the
     same command, or a resume, gives identical losses on a GPU too. Costs some throughput."""
+    hang_timeout: float = 1800.0
+    """Seconds a rank may make no progress before it writes the Python stacks of all its
+    threads to <run.dir>/hangs/rank<r>-<time>.txt and exits with status 4, so the job can be
+    restarted from its latest checkpoint (0: off; pretrain/train/watchdog.py). The limit for
+    start-up, validation, saves and the first 10 steps; after those a step may take 10 x the
+    median step time, at least 300 s, never more than this."""
+    straggler_ratio: float = 1.5
+    """Every run.log_interval steps the slowest rank's step time and its ratio to the median
+    rank's are logged (step_time_max, slowest_rank, slowest_ratio); a ratio above this is
+    also a console warning (pretrain/train/stragglers.py)."""
 
     def __post_init__(self) -> None:
         coerce_choices("run", self)
@@ -446,6 +456,9 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
              and sum(float(p) for p in parts) > 0,
              f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
     require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
+    require(r.hang_timeout >= 0,
+            f"run.hang_timeout ({r.hang_timeout}) must be >= 0 seconds (0: no watchdog)")
+    require(r.straggler_ratio > 1, f"run.straggler_ratio ({r.straggler_ratio}) must be > 1")
     dg = config.diagnostics
     require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
     require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")

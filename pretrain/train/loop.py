@@ -44,6 +44,8 @@ from pretrain.run.stop import StopRequest
 from pretrain.train import diagnostics
 from pretrain.train.evaluate import evaluate, loss_share
 from pretrain.train.start import StartPoint, check_start, sha256
+from pretrain.train.stragglers import Stragglers
+from pretrain.train.watchdog import Watchdog
 from runtime import device, parallel, weights
 from runtime.errors import CheckpointError
 from runtime.schedule import forward_backward
@@ -172,6 +174,8 @@ class Training:
             return _stopped_in_start_up(self.stop, start)
         self.metrics = MetricsLogger(config, self.run_dir, run_metadata(self.parameters))
         self.progress = Progress(start, config.run.steps, enabled=is_logging_rank())
+        self.watchdog = Watchdog(config.run.hang_timeout, self.run_dir / "hangs",
+                                 dist.get_rank())
         finished = False
         try:
             result = self.loop(start)
@@ -181,6 +185,7 @@ class Training:
             finished = True  # an end the run reports (W&B closes it), not a crash
             raise
         finally:  # the one teardown
+            self.watchdog.stop()  # first: after a hang it waits for the watchdog's exit
             self.progress.close()
             if finished:
                 self.metrics.finish()
@@ -191,14 +196,17 @@ class Training:
         r, d = self.config.run, self.config.data
         throughput = Throughput(self.config)
         diag = diagnostics.build(self.config, self.chunks)  # None when off: no hooks at all
+        stragglers = Stragglers(self.chunks, r.straggler_ratio, is_logging_rank())
         if step == 0 and d.valid_samples:
             self.validate(0)
         self.progress.begin()  # after the first validation: the ETA counts training steps only
         bad_in_a_row = skipped = 0
         while step < r.steps:
             began = time.perf_counter()
+            stragglers.step_begins()
             status, lr, grad_norm = self.step(step, diag)
             step += 1
+            self.watchdog.step_done(step)
             if status.finite:
                 bad_in_a_row = 0
             else:
@@ -212,6 +220,7 @@ class Training:
                           "grad_norm": float(grad_norm) if grad_norm is not None else None,
                           "skipped_steps": skipped,
                           **throughput.measure(time.perf_counter() - began)}
+                record.update(stragglers.measure(step))  # collective
                 self.metrics.log(record)
             self.progress.step(step, record)
             for extra in diag.records(step, status.loss) if diag else ():  # collective
@@ -225,7 +234,8 @@ class Training:
                 self.validate(step)
             if status.stop or (r.save_interval and step % r.save_interval == 0) \
                     or step == r.steps:
-                self.save(step)
+                with self.watchdog.long(f"the checkpoint of step {step}"):
+                    self.save(step)
             if status.stop:
                 self.progress.message(f"stopped by signal after step {step}; checkpoint saved")
                 return {"stopped_at": step}
@@ -252,7 +262,8 @@ class Training:
         return status, lr, grad_norm
 
     def validate(self, step: int) -> dict:
-        result = evaluate(self.config, self.chunks, self.valid_set)
+        with self.watchdog.long(f"validation at step {step}"):
+            result = evaluate(self.config, self.chunks, self.valid_set)
         self.metrics.log({"step": step, **result})
         self.progress.message(f"validation at step {step}: loss {result['val_loss']:.4f}, "
                               f"perplexity {result['val_ppl']:.1f}")

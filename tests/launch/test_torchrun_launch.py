@@ -1,6 +1,6 @@
 """launch/torchrun.sh ends a launch whose ranks explained themselves as they do: a user's
-mistake is one ``error:`` line and exit 2 (an aborted run exit 3), with no torchrun report;
-any other failure keeps torchrun's report (launch/torchrun_main.py)."""
+mistake is one ``error:`` line and exit 2 (an aborted run exit 3, a hang exit 4), with no
+torchrun report; any other failure keeps torchrun's report (launch/torchrun_main.py)."""
 
 import json
 import signal
@@ -11,6 +11,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from launch import torchrun_main
+from pretrain.train.watchdog import HANG_EXIT
 from tests.pretrain_fixtures import REPO, env
 
 LINE = "error: optim.lr (-1.0) must be > 0"
@@ -38,6 +39,9 @@ STOPPED = -signal.SIGTERM  # a rank torchrun stopped after another one failed
 @pytest.mark.parametrize("exits, status", [
     ({0: 2, 1: 2}, 2),
     ({0: 3, 1: 3}, 3),
+    ({0: HANG_EXIT, 1: HANG_EXIT}, HANG_EXIT),  # every rank's watchdog ended it
+    ({0: HANG_EXIT, 1: STOPPED}, HANG_EXIT),
+    ({0: HANG_EXIT, 1: 1}, None),  # another rank crashed instead
     ({0: 2, 1: STOPPED}, 2),  # stopped by torchrun on its way out
     ({1: 2}, 2),
     ({0: 2, 1: 1}, None),  # a crash on another rank: torchrun's report
