@@ -1,6 +1,7 @@
 """``python -m pretrain <command>``: tokenizers, data, training, evaluation, text, export.
 
-Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf, lm-eval.
+Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf, lm-eval,
+report.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
 an aborted run (e.g. repeated NaN/Inf) exits 3; a rank the hang watchdog ended
@@ -61,6 +62,11 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
         print(json.dumps(prepare_data(args.inputs, args.tokenizer, args.output, args.workers,
                                       args.text_field)))
+        return 0
+    if args.command == "report":  # reads files only: no torch, no process group
+        from pretrain.report.run_report import write_report
+
+        print(write_report(args.run_dir, args.output, args.smooth)[-1])
         return 0
 
     from pretrain.config import load_config

@@ -86,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--top-k", type=int, default=0, help="0: off")
             c.add_argument("--top-p", type=float, default=1.0, help="1: off")
             c.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    r = sub.add_parser("report", help="a run's curves as PNGs and one HTML page (no W&B needed)")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (it holds metrics.jsonl)")
+    r.add_argument("--output", help="folder for the PNGs and report.html (default RUN_DIR/report)")
+    r.add_argument("--smooth", type=int, default=0, metavar="N",
+                   help="draw the train loss as the mean of its last N logged steps over the "
+                        "faint raw line (0: the raw line only)")
     for command in sub.choices.values():
         command.add_argument("--verbose", action="store_true",
                              help="show every third-party warning and megatron's INFO logs")

@@ -1,0 +1,188 @@
+"""Draws the report's figures (``pretrain.report.panels``) as PNGs with matplotlib.
+
+matplotlib is not a dependency of training (it is the ``sweep`` extra), so it is imported
+only here, on the file-only Agg backend, when a report is drawn. Every panel shares the
+report's step axis (0 to the run's last step), so figures line up when read one under
+another; the top axis of the first row gives the tokens consumed by then. What a reader must
+see at a glance is drawn explicitly: a null (NaN/Inf) value is a gap in its line and a tick
+at the bottom of the panel, settings changed on resume and rollbacks are vertical lines with
+their label, and legends sit right of the data, never on it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pretrain.report.panels import Curve, Figure, Mark, Plot
+from pretrain.report.series import RunMetrics, Series, smooth
+from runtime.errors import ConfigError
+
+# A curve with at most this many points gets markers: sparse values (validation, diagnostics,
+# downstream scores) would otherwise be invisible where a single point sits between gaps.
+MARKERS_UP_TO = 60
+# A panel asking for a log axis gets one when its values span more than this factor; over a
+# narrower range a log axis shows nothing a linear one does not, with worse tick labels.
+LOG_FROM = 10.0
+PANEL_INCHES = (6.4, 3.4)
+DPI = 100
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend; a one-line error naming how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("python -m pretrain report draws with matplotlib, which is not "
+                          "installed: pip install 'matplotlib>=3.8' (the project's `sweep` "
+                          "extra)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _linear(x, xs, ys):
+    """Piecewise-linear through (xs, ys), extended beyond both ends by the end segments
+    (np.interp would clamp, piling every tick past the run's end onto its last step)."""
+    import numpy as np
+
+    x = np.asarray(x, dtype=float)
+    inside = np.interp(x, xs, ys)
+    below = ys[0] + (x - xs[0]) * (ys[1] - ys[0]) / (xs[1] - xs[0])
+    above = ys[-1] + (x - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x < xs[0], below, np.where(x > xs[-1], above, inside))
+
+
+def _tokens_axis(ax, consumed: Series | None) -> None:
+    """Consumed tokens on the top axis, read off the logged (step, consumed_tokens) pairs;
+    left out unless both grow strictly (then each converts to the other)."""
+    import numpy as np
+    from matplotlib.ticker import EngFormatter
+
+    points = consumed.finite() if consumed is not None else []
+    if points and points[0][0] > 0:
+        points.insert(0, (0, 0.0))  # a run starts at no tokens (the first record is step 1)
+    if len(points) < 2:
+        return
+    steps = np.array([p[0] for p in points], dtype=float)
+    tokens = np.array([p[1] for p in points], dtype=float)
+    if np.any(np.diff(steps) <= 0) or np.any(np.diff(tokens) <= 0):
+        return
+    top = ax.secondary_xaxis("top", functions=(lambda s: _linear(s, steps, tokens),
+                                               lambda t: _linear(t, tokens, steps)))
+    top.xaxis.set_major_formatter(EngFormatter())
+    top.set_xlabel("tokens consumed", fontsize=8)
+    top.tick_params(labelsize=7)
+
+
+def _curve(ax, curve: Curve, metrics: RunMetrics, color, gaps_named: list[bool]) -> None:
+    import numpy as np
+
+    series = metrics.series[curve.key]
+    xs = np.array(series.steps, dtype=float)
+    ys = np.array(series.values, dtype=float) * curve.scale
+    if curve.kind == "events":
+        ax.plot(xs, ys, "v", color="tab:red", markersize=6, label=curve.label)
+        return
+    if curve.kind == "counter":
+        ax.step(xs, ys, where="post", color=color, linewidth=1.5, label=curve.label)
+        ax.yaxis.get_major_locator().set_params(integer=True)
+    elif curve.smooth > 1:
+        ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label=f"{curve.label} (raw)")
+        ax.plot(xs, smooth(list(ys), curve.smooth), color=color, linewidth=1.6,
+                label=f"{curve.label} (mean of {curve.smooth} logged steps)")
+    else:
+        ax.plot(xs, ys, color=color, linewidth=1.4, markersize=3, label=curve.label,
+                marker="o" if len(xs) <= MARKERS_UP_TO else None)
+    errors = metrics.series.get(curve.error_key) if curve.error_key else None
+    if errors is not None:
+        by_step = dict(zip(errors.steps, errors.values, strict=True))
+        err = np.array([by_step.get(int(s), math.nan) for s in xs]) * curve.scale
+        ax.fill_between(xs, ys - err, ys + err, color=color, alpha=0.2, linewidth=0)
+    gaps = xs[~np.isfinite(ys)]
+    if len(gaps):  # a gap alone is easy to miss: a tick at the bottom names it
+        ax.plot(gaps, np.full(len(gaps), 0.02), "|", color=color, markersize=12,
+                markeredgewidth=1.5, transform=ax.get_xaxis_transform(),
+                label=None if gaps_named else "non-finite value (null)")
+        gaps_named.append(True)
+
+
+def _plot(plt, fig, ax, plot: Plot, metrics: RunMetrics) -> None:
+    curves = [c for c in plot.curves if c.key in metrics.series]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    norm = cmap = None
+    if plot.by_depth:
+        from matplotlib.colors import Normalize
+
+        cmap = plt.get_cmap("viridis")
+        norm = Normalize(0, max(len(curves) - 1, 1))
+    finite = []
+    gaps_named: list[bool] = []
+    for i, curve in enumerate(curves):
+        color = cmap(norm(i)) if plot.by_depth else colors[i % len(colors)]
+        _curve(ax, curve, metrics, color, gaps_named)
+        finite += [v * curve.scale for _, v in metrics.series[curve.key].finite()]
+    if not finite:
+        ax.text(0.5, 0.5, "no finite value logged", transform=ax.transAxes, ha="center",
+                va="center", color="gray")
+    if plot.threshold is not None:
+        ax.axhline(plot.threshold[0], color="gray", linestyle="--", linewidth=1,
+                   label=plot.threshold[1])
+    positive = [v for v in finite if v > 0]
+    if plot.log_y and positive and max(positive) > LOG_FROM * min(positive):
+        ax.set_yscale("log")
+    else:  # values as they are, not as offsets from a "+1" in the corner
+        ax.ticklabel_format(axis="y", useOffset=False)
+    if plot.by_depth and curves:
+        from matplotlib.cm import ScalarMappable
+
+        bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.02)
+        bar.set_label("block (0 = nearest the input)", fontsize=8)
+        bar.ax.tick_params(labelsize=7)
+        bar.locator = plt.MaxNLocator(integer=True)
+        bar.update_ticks()
+    handles, labels = ax.get_legend_handles_labels()
+    shown = [(h, lab) for h, lab in zip(handles, labels, strict=True)
+             if not (plot.by_depth and lab.startswith("block "))]
+    if len(shown) > 1 or (shown and plot.threshold is not None):
+        ax.legend(*zip(*shown, strict=True), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  fontsize=8, frameon=False)
+    if plot.title:
+        ax.set_title(plot.title, fontsize=10)
+    ax.set_ylabel(plot.ylabel, fontsize=9)
+    ax.set_xlabel("step", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _marks(ax, marks: list[Mark], labelled: bool) -> None:
+    for mark in marks:
+        ax.axvline(mark.step, color=mark.color, linestyle=mark.style, linewidth=1)
+        if labelled:
+            text = mark.label if len(mark.label) <= 60 else mark.label[:57] + "..."
+            ax.text(mark.step, 0.97, f"{text} ", rotation=90, va="top", ha="right",
+                    fontsize=7, color=mark.color, transform=ax.get_xaxis_transform(),
+                    bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 1})
+
+
+def draw(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_title: str,
+         last_step: int, path: Path) -> None:
+    """``figure`` as a PNG at ``path``: up to three panels per row."""
+    count = len(figure.plots)
+    columns = min(3, count)
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, squeeze=False, layout="constrained",
+                             figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows + 0.4))
+    for i, (ax, plot) in enumerate(zip(axes.flat, figure.plots, strict=False)):
+        _plot(plt, fig, ax, plot, metrics)
+        ax.set_xlim(0, max(last_step, 1))
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps are whole
+        _marks(ax, marks, labelled=True)
+        if i < columns:
+            _tokens_axis(ax, metrics.series.get("consumed_tokens"))
+    for ax in list(axes.flat)[count:]:
+        ax.axis("off")
+    fig.suptitle(f"{figure.title} | {run_title}", fontsize=11)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
