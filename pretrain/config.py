@@ -114,6 +114,14 @@ class RunConfig:
     """Checkpoint every this many steps (0: only at the end and on a signal)."""
     keep_last: int = 2
     """Checkpoints to keep; older complete ones are deleted."""
+    async_save: bool = False
+    """Write checkpoints in the background (megatron-core's async save): a save blocks
+    training only while the state is taken off the training path (copied from the GPU; on a
+    CPU the writer is a forked process, whose pages keep the saved state), and the checkpoint
+    counts once every rank's write ended and it is complete, about the step its write ends.
+    The next save and the end of the run wait for it; a failed write stops the run as a
+    failed save does. Costs host memory of up to one more copy of the state while it writes
+    (pretrain/run/saver.py)."""
     max_nonfinite_steps: int = 3
     """Abort after this many consecutive steps with a NaN/Inf loss or gradient."""
     allow_data_change: bool = False

@@ -8,7 +8,9 @@ Layout under ``<run.dir>/checkpoints/``::
 A checkpoint is written into ``.step_<n>.tmp`` and renamed only once every rank finished and
 ``complete.json`` exists, then ``latest`` is replaced atomically. A crash (even SIGKILL) or a
 full disk during a save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays
-the latest. Resuming takes the newest complete checkpoint (``latest`` is only a hint). Model
+the latest. With ``run.async_save`` the tensors are written in the background between
+:func:`start` and :func:`complete` (:mod:`pretrain.run.saver`), to the same effect.
+Resuming takes the newest complete checkpoint (``latest`` is only a hint). Model
 and optimizer tensors carry global keys, so a checkpoint loads under any TP/PP/VP layout.
 ``complete.json`` also records what the checkpoint is (:mod:`pretrain.run.identity`): its model,
 its data and data position, checked before any tensor is read. Weights that are not finite
@@ -24,6 +26,7 @@ import pickle
 import random
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -81,11 +84,16 @@ def read_rng_state(path: Path) -> dict:
     except pickle.UnpicklingError:
         raise CheckpointError(f"'{path}' holds objects other than tensors and plain values; "
                               "refused, since loading them could run code") from None
+    return settable_rng_state(state)
+
+
+def settable_rng_state(state: dict) -> dict:
+    """A :func:`rng_state` (saved or held in memory) in the form :func:`set_rng_state`
+    takes: Python's and numpy's states back in their own types."""
     version, mt_state, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
-    state["python"] = (version, tuple(int(v) for v in mt_state), gauss)
-    state["numpy"] = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
-    return state
+    return {**state, "python": (version, tuple(int(v) for v in mt_state), gauss),
+            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)}
 
 
 def set_rng_state(state: dict) -> None:
@@ -106,6 +114,11 @@ def _sharded_state(chunks, optimizer, scheduler, step: int, loading: bool) -> di
     return state
 
 
+def saved_state(chunks, optimizer, scheduler, step: int) -> dict:
+    """What a checkpoint of ``step`` holds, as megatron's sharded state to save."""
+    return _sharded_state(chunks, optimizer, scheduler, step, loading=False)
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first."""
     if not root.is_dir():
@@ -118,8 +131,22 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
          record: dict) -> Path:
     """Save atomically; ``record`` (what the checkpoint is) goes into complete.json. A failed
     write on any rank (a full disk) removes the partial folder on every rank and raises one
-    CheckpointError."""
-    final, tmp = root / f"step_{step:08d}", root / f".step_{step:08d}.tmp"
+    CheckpointError. (pretrain.run.saver also writes in the background, between the same
+    :func:`start` and :func:`complete`.)"""
+    tmp = start(root, step)
+    failure = None
+    try:
+        dist_checkpointing.save(saved_state(chunks, optimizer, scheduler, step), str(tmp))
+        save_rng_state(tmp)
+    except weights.LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
+        failure = err
+    return complete(root, step, tmp, keep_last, record, failure)
+
+
+def start(root: Path, step: int) -> Path:
+    """The empty folder a save of ``step`` is written into, ``.step_N.tmp``, made by rank 0
+    (one a crash left is replaced); every rank gets its path, or the same CheckpointError."""
+    tmp = root / f".step_{step:08d}.tmp"
     failure = None
     if _rank0():
         try:
@@ -128,16 +155,25 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
             tmp.mkdir(parents=True)
         except OSError as err:
             failure = err
-    # Each reduction below is also the barrier between the phases, so that a rank that failed
-    # alone never leaves the others waiting in a collective it skipped.
-    if not any_rank(failure is not None):
-        try:
-            dist_checkpointing.save(_sharded_state(chunks, optimizer, scheduler, step, False),
-                                    str(tmp))
-            (tmp / "rng").mkdir(exist_ok=True)
-            torch.save(rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
-        except weights.LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
-            failure = err
+    # Each reduction here and in complete() is also the barrier between the phases, so that a
+    # rank that failed alone never leaves the others waiting in a collective it skipped.
+    if any_rank(failure is not None):
+        abandon(root, step, tmp, failure)
+    return tmp
+
+
+def save_rng_state(tmp: Path) -> None:
+    """This rank's RNG file in the checkpoint folder being written."""
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
+
+
+def complete(root: Path, step: int, tmp: Path, keep_last: int, record: dict,
+             failure: BaseException | None) -> Path:
+    """Every rank, once its write into ``tmp`` ended (``failure``: how it failed, if it did):
+    complete.json last, the rename to ``step_N``, ``latest``, and the pruning to ``keep_last``
+    complete checkpoints. A failure on any rank removes the folder instead (abandon)."""
+    final = root / f"step_{step:08d}"
     if not any_rank(failure is not None) and _rank0():
         try:
             text = json.dumps({"step": step, "world_size": dist.get_world_size(), **record})
@@ -145,12 +181,7 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
         except OSError as err:
             failure = err
     if any_rank(failure is not None):
-        if _rank0():
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        reason = save_failure(failure, root) if failure is not None else "failed on another rank"
-        raise CheckpointError(f"saving checkpoint step {step} to '{root}' failed ({reason}); "
-                              f"{latest_text(root)}")
+        abandon(root, step, tmp, failure)
     if _rank0():
         if final.exists():
             shutil.rmtree(final)
@@ -165,6 +196,18 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+def abandon(root: Path, step: int, tmp: Path, failure: BaseException | None) -> NoReturn:
+    """Every rank, when the save of ``step`` failed on some rank (``failure``: this rank's
+    error, None if another rank's): the partial folder goes, and one CheckpointError names
+    the step and the checkpoint that is still the latest."""
+    if _rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    reason = save_failure(failure, root) if failure is not None else "failed on another rank"
+    raise CheckpointError(f"saving checkpoint step {step} to '{root}' failed ({reason}); "
+                          f"{latest_text(root)}")
 
 
 def resolve(path: Path) -> Path | None:

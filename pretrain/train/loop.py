@@ -40,6 +40,7 @@ from pretrain.report.units import count, human
 from pretrain.run import checkpoint
 from pretrain.run.folder import prepare_run_dir, run_metadata
 from pretrain.run.lock import RunLock
+from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest
 from pretrain.train import diagnostics
 from pretrain.train.evaluate import evaluate, loss_share
@@ -140,6 +141,7 @@ class Training:
         self.config, self.chunks, self.begin, self.stop = config, chunks, begin, stop
         self.run_dir = Path(config.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
+        self.saver = Saver(self.ckpt_root, config.run.keep_last, config.run.async_save)
         self.optimizer, self.scheduler = build_optimizer(config, chunks, params_dtype(config))
         self.parameters = model_parameters(chunks)
         self._resume()
@@ -179,6 +181,8 @@ class Training:
         finished = False
         try:
             result = self.loop(start)
+            with self.watchdog.long("the background write of the last checkpoint"):
+                self.saver.wait()  # complete before the run ends
             finished = True
             return result
         except (TrainingAborted, CheckpointError):
@@ -186,6 +190,7 @@ class Training:
             raise
         finally:  # the one teardown
             self.watchdog.stop()  # first: after a hang it waits for the watchdog's exit
+            self.saver.close()  # after an exception: a write still in flight is waited for
             self.progress.close()
             if finished:
                 self.metrics.finish()
@@ -207,6 +212,7 @@ class Training:
             status, lr, grad_norm = self.step(step, diag)
             step += 1
             self.watchdog.step_done(step)
+            self.saver.poll()  # completes a background save whose write has ended
             if status.finite:
                 bad_in_a_row = 0
             else:
@@ -229,7 +235,7 @@ class Training:
                 raise TrainingAborted(
                     f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
                     f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
-                    f"{checkpoint.latest_text(self.ckpt_root)}")
+                    f"{self.saver.latest_text()}")
             if d.valid_samples and step % r.eval_interval == 0 and step < r.steps:
                 self.validate(step)
             if status.stop or (r.save_interval and step % r.save_interval == 0) \
@@ -273,11 +279,9 @@ class Training:
         """A checkpoint after ``step``, refused (the run aborts) when a weight is not finite."""
         if not weights_finite(self.chunks):
             raise TrainingAborted(f"the weights after step {step} are not finite (NaN/Inf); "
-                                  f"no checkpoint written; "
-                                  f"{checkpoint.latest_text(self.ckpt_root)}")
+                                  f"no checkpoint written; {self.saver.latest_text()}")
         record = {**self.identity, "position": self.at(step)._asdict()}
-        checkpoint.save(self.ckpt_root, step, self.chunks, self.optimizer, self.scheduler,
-                        self.config.run.keep_last, record)
+        self.saver.save(step, self.chunks, self.optimizer, self.scheduler, record)
 
 
 def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:
