@@ -2,11 +2,14 @@
 stalled in its training steps, to test the hang watchdog (pretrain.train.watchdog) and the
 straggler report (pretrain.train.stragglers) on real runs. MODE ``hang``: rank 1 sleeps for
 ever in the N-th step this process trains (from 1), before its forward pass; the other ranks
-then wait in that step's gradient all-reduce. MODE ``slow``: rank 1 sleeps N seconds before
-every step's forward pass. The hooks live here, in the tests, not in the training path."""
+then wait in that step's gradient all-reduce. In that step every rank first starts a daemon
+child process that sleeps, as a checkpoint writer in flight would be. MODE ``slow``: rank 1
+sleeps N seconds before every step's forward pass. The hooks live here, in the tests, not in
+the training path."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
@@ -26,8 +29,11 @@ def main(mode: str, n: str, argv: list[str]) -> int:
 
     def stalling_forward_backward(*args, **kwargs):
         calls[0] += 1
-        if stalled and mode == "hang" and calls[0] == int(n):
-            hang_forever()
+        if mode == "hang" and calls[0] == int(n):
+            multiprocessing.get_context("fork").Process(target=time.sleep, args=(3600,),
+                                                        daemon=True).start()
+            if stalled:
+                hang_forever()
         if stalled and mode == "slow":
             time.sleep(float(n))
         return forward_backward(*args, **kwargs)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -188,31 +189,40 @@ def test_a_process_stuck_holding_the_gil_still_dumps_and_exits(tmp_path):
 # -- real runs on two gloo ranks ---------------------------------------------------------------
 
 
+def _marked(marker: str) -> list[int]:
+    """The processes whose environment holds ``marker``: every descendant of a launch, in
+    whichever session (torchrun starts each rank in its own)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+    return found
+
+
 def _launch(mode: str, n: str, args: list[str], log: Path, timeout: int = 300):
     """``tests.stall_rank MODE N ARGS`` on 2 ranks through launch/torchrun_main.py, output to
-    ``log``, in its own session; returns the finished process (stderr: the log), its wall time
-    and whether some process of the session outlived the launch by 10 s (megatron's checkpoint
-    writer of a rank that ended without its exit handlers would; the session is then reaped)."""
+    ``log``; returns the finished process (stderr: the log), its wall time and the processes
+    of the launch still alive 10 s after it ended (then killed)."""
     cmd = [sys.executable, str(REPO / "launch" / "torchrun_main.py"), "--standalone",
            "--nproc-per-node=2", "-m", "tests.stall_rank", mode, n, *args]
+    marker = f"STALL_RANK_LAUNCH={uuid.uuid4().hex}"
     began = time.monotonic()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=out,
-                                start_new_session=True)
-    left = True
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(**dict([marker.split("=")])),
+                                stdout=out, stderr=out)
     try:
         proc.wait(timeout=timeout)
         took = time.monotonic() - began
-        for _ in range(100):
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                left = False
-                break
+        deadline = time.monotonic() + 10
+        while _marked(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
+        left = _marked(marker)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        for pid in _marked(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     done = subprocess.CompletedProcess(cmd, proc.returncode, "", log.read_text())
     return done, took, left
 
@@ -227,7 +237,7 @@ def test_a_hung_rank_ends_the_job_with_every_ranks_stacks(data, tmp_path):
     # start-up, 4 steps, 2 saves (the first starts megatron's writer: 10 s here, so a shorter
     # run.hang_timeout ends this run in that save), 30 s and 3 s of linger
     assert took < 180, took
-    assert not left  # no checkpoint writer outlives its rank
+    assert not left, left  # no child process (a checkpoint writer) outlives its rank
     assert "ChildFailedError" not in done.stderr  # the ranks explained it: no torchrun report
     dumps = {p.name.split("-")[0]: p.read_text() for p in (run / "hangs").glob("rank*-*.txt")}
     assert sorted(dumps) == ["rank0", "rank1"], sorted(dumps)
