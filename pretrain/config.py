@@ -12,13 +12,14 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kernels.backend import NormBackend
 from model.config import ModelConfig, ParallelConfig, coerce_choices, require, validate_layout
@@ -88,6 +89,15 @@ class DataConfig:
     checkpoint evaluates to the same number whatever run.steps or run.eval_interval. The
     validation split must hold them without repeating one (refused otherwise: a repeated
     sample would count twice). 0: no validation during training."""
+    valid_sets: list[str] = field(default_factory=list)
+    """Further validation sets, each ``NAME=PREFIX[:SAMPLES]`` (``"wiki=data/wiki:256"``):
+    every document of the Megatron dataset PREFIX is held out, and every evaluation (during
+    training and ``eval``) also reports the loss over its first SAMPLES sequences (default
+    valid_samples; a multiple of global_batch_size) as val/NAME/loss, val/NAME/ppl and
+    val/NAME/samples, next to the default set's val_loss. NAME: letters, digits, _ and -,
+    each used once. A set must be tokenised with ``tokenizer`` and hold SAMPLES sequences
+    without repeating one. Not part of a checkpoint's data identity (it changes no training
+    sample), so a resume may add or drop sets."""
 
     def __post_init__(self) -> None:
         # Megatron-LM's weighted form, ["0.3", "data/a", "0.7", "data/b"], as its users write
@@ -97,6 +107,54 @@ class DataConfig:
                 and all(_is_weight(w) for w in pairs[::2])):
             self.weights = [float(w) for w in pairs[::2]]
             self.prefixes = list(pairs[1::2])
+
+
+VALID_SET_NAME = re.compile(r"[A-Za-z0-9_-]+")
+VALID_SET_FORM = "NAME=PREFIX[:SAMPLES], e.g. 'wiki=data/wiki_text_document:256'"
+
+
+class ValidSet(NamedTuple):
+    """One further validation set of data.valid_sets: its metrics are val/<name>/*."""
+
+    name: str
+    prefix: str
+    samples: int
+
+
+def valid_sets(data: DataConfig) -> list[ValidSet]:
+    """data.valid_sets parsed; a malformed entry, a bad name or sample count, or a name used
+    twice is one ConfigError line naming the entry. Whether each prefix exists and holds its
+    samples is checked with the data (pretrain.data.batches.check_data)."""
+    found: list[ValidSet] = []
+    for entry in data.valid_sets:
+        one = _valid_set(entry, data)
+        require(one.name not in {s.name for s in found}, f"data.valid_sets names {one.name!r} "
+                "twice: each set needs its own name (its metrics are val/NAME/loss)")
+        found.append(one)
+    return found
+
+
+def _valid_set(entry: str, d: DataConfig) -> ValidSet:
+    where = f"data.valid_sets entry {entry!r}"
+    name, equals, rest = (part.strip() for part in entry.partition("="))
+    head, colon, tail = rest.rpartition(":")
+    prefix, count = (head.strip(), tail.strip()) if colon and "/" not in tail else (rest, "")
+    require(bool(equals and prefix), f"{where} must look like {VALID_SET_FORM}")
+    require(VALID_SET_NAME.fullmatch(name) is not None, f"{where}: NAME ({name!r}) must be "
+            "letters, digits, _ or - (it names the metrics val/NAME/loss)")
+    require(not prefix.endswith((".bin", ".idx")), f"{where} names a file; give the dataset "
+            f"prefix without .bin/.idx ('{prefix[:-4]}')")
+    if not count:
+        require(d.valid_samples > 0, f"{where} gives no SAMPLES and data.valid_samples is 0: "
+                f"give its size ({name}={prefix}:SAMPLES)")
+        return ValidSet(name, prefix, d.valid_samples)
+    require(count.lstrip("-").isdigit(), f"{where}: SAMPLES ({count!r}) must be an integer")
+    samples = int(count)
+    require(samples > 0, f"{where}: SAMPLES ({samples}) must be > 0")
+    require(samples % d.global_batch_size == 0, f"{where}: SAMPLES ({samples}) must be a "
+            f"multiple of data.global_batch_size ({d.global_batch_size}): an evaluation is "
+            "whole batches")
+    return ValidSet(name, prefix, samples)
 
 
 @dataclass
@@ -435,8 +493,9 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be < "
                 f"{FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
     else:
-        require(d.valid_samples >= 1, f"data.valid_samples ({d.valid_samples}) must be >= 1 "
-                "to evaluate (e.g. --data.valid_samples=1024)")
+        require(d.valid_samples >= 1 or bool(d.valid_sets), f"data.valid_samples "
+                f"({d.valid_samples}) must be >= 1 to evaluate (e.g. "
+                "--data.valid_samples=1024), or data.valid_sets must name a set")
     if d.cache_dir:
         require_creatable(d.cache_dir, "data.cache_dir")
     require_creatable(r.dir, "run.dir")
@@ -452,6 +511,7 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
     require(d.valid_samples % d.global_batch_size == 0,
             f"data.valid_samples ({d.valid_samples}) must be a multiple of "
             f"data.global_batch_size ({d.global_batch_size}): an evaluation is whole batches")
+    valid_sets(d)
     require(0 <= d.seq_length <= config.model.seq_length,
              f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
              f"({config.model.seq_length})")

@@ -31,7 +31,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import normalize
 
-from pretrain.config import Config
+from pretrain.config import Config, ValidSet, valid_sets
 from pretrain.data.position import START, DataPosition
 from pretrain.data.prepare import check_dataset
 from pretrain.report.units import human
@@ -73,7 +73,8 @@ def _check_index_size(config: Config) -> None:
 
 def check_data(config: Config, tokenizer) -> None:
     """Every prefix readable, within the tokenizer's vocabulary, and giving each split the run
-    reads at least one document: checked before the run folder is touched."""
+    reads at least one document, and every further validation set (data.valid_sets) too:
+    checked before the run folder is touched."""
     data = config.data
     _check_index_size(config)
     if not data.prefixes:
@@ -91,16 +92,21 @@ def check_data(config: Config, tokenizer) -> None:
         if data.valid_samples:
             capacity.append((prefix, weight, _valid_sequences(config, prefix, split_matrix[1])))
     _check_valid_set_fits(config, capacity)
+    for valid_set in valid_sets(data):
+        _check_further_set(config, valid_set, tokenizer.vocab_size)
 
 
-def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
+def _dataset_config(config: Config, tokenizer, **source) -> GPTDatasetConfig:
+    """The run's datasets: ``source`` names them (megatron's ``blend`` and ``split``, or
+    ``blend_per_split``); by default data.prefixes, data.weights and data.split."""
     data = config.data
-    weights = data.weights or [1.0] * len(data.prefixes)
+    if not source:
+        weights = data.weights or [1.0] * len(data.prefixes)
+        source = {"blend": (list(data.prefixes), list(weights)), "split": data.split}
     return GPTDatasetConfig(
         random_seed=config.run.seed,
         sequence_length=config.seq_length,
-        blend=(list(data.prefixes), list(weights)),
-        split=data.split,
+        **source,
         path_to_cache=data.cache_dir or f"{config.run.dir}/data_cache",
         tokenizer=tokenizer,
         reset_position_ids=False,
@@ -113,10 +119,29 @@ def _dataset_config(config: Config, tokenizer) -> GPTDatasetConfig:
 
 def build_datasets(config: Config, tokenizer, position: DataPosition = START):
     """(train, valid) GPTDatasets of data that passed :func:`check_data`, sized for a run
-    continuing from ``position``. Rank 0 checks and builds megatron's index cache first; the
-    other ranks then read it, so no two processes write the same cache file."""
-    dataset_config = _dataset_config(config, tokenizer)
-    sizes = [*sample_counts(config, position), 0]
+    continuing from ``position``."""
+    datasets = _build(_dataset_config(config, tokenizer), [*sample_counts(config, position), 0])
+    return datasets[0], datasets[1]
+
+
+def build_valid_sets(config: Config, tokenizer) -> list[tuple[ValidSet, GPTDataset]]:
+    """The further validation sets (data.valid_sets, checked by :func:`check_data`), each
+    every document of its prefix: megatron's validation split of a separate distribution
+    (``blend_per_split``), asked for the set's own sample count, so, as for the default set,
+    which sequences it holds depends on the data, run.seed, the sequence length and that
+    count alone."""
+    built = []
+    for valid_set in valid_sets(config.data):
+        dataset_config = _dataset_config(
+            config, tokenizer, blend_per_split=[None, ([valid_set.prefix], None), None])
+        built.append((valid_set, _build(dataset_config, [0, valid_set.samples, 0])[1]))
+    return built
+
+
+def _build(dataset_config: GPTDatasetConfig, sizes: list[int]) -> list:
+    """megatron's datasets of ``sizes`` (train, valid, test samples). Rank 0 checks and builds
+    megatron's index cache first; the other ranks then read it, so no two processes write the
+    same cache file."""
 
     def build():
         return BlendedMegatronDatasetBuilder(
@@ -129,7 +154,7 @@ def build_datasets(config: Config, tokenizer, position: DataPosition = START):
     else:
         dist.barrier()
         datasets = build()
-    return datasets[0], datasets[1]
+    return datasets
 
 
 def drop_damaged_cache(folder: Path) -> None:
@@ -205,6 +230,29 @@ def _check_valid_set_fits(config: Config, capacity: list[tuple[str, float, int]]
             f"data.valid_samples ({d.valid_samples}) asks '{prefix}' for {wanted} validation "
             f"sequences of {config.seq_length} tokens, but its validation split (data.split "
             f"{d.split!r}) holds {available}; {fix}")
+
+
+def _check_further_set(config: Config, valid_set: ValidSet, vocab_size: int) -> None:
+    """A set of data.valid_sets passes the checks of a training prefix (readable, every token
+    id within the tokenizer's vocabulary: a set tokenised with a larger vocabulary fails
+    here) and holds its sample count without repeating a sample, the default set's rule;
+    refused otherwise, naming the largest count that works."""
+    name, prefix, samples = valid_set
+    try:
+        documents = check_dataset(prefix, vocab_size)
+    except DataError as err:
+        raise DataError(f"data.valid_sets '{name}': {err}") from None
+    available = _valid_sequences(config, prefix, (0.0, 1.0))
+    if samples <= available:
+        return
+    batch = config.data.global_batch_size
+    largest = available // batch * batch
+    fix = (f"the largest SAMPLES that fits is {largest} (a multiple of "
+           f"data.global_batch_size {batch})" if largest else
+           f"not even one global batch ({batch}) fits: add documents")
+    raise DataError(
+        f"data.valid_sets '{name}' asks '{prefix}' for {samples} validation sequences of "
+        f"{config.seq_length} tokens, but its {documents} documents hold {available}; {fix}")
 
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -64,9 +64,10 @@ def fingerprint(prefix: str) -> str:
 
 
 def data_identity(config: Config) -> dict[str, Any]:
-    """The inputs that decide which sample a step reads. The validation set's size
-    (data.valid_samples) is not one of them: megatron builds the training split's samples
-    from the training count alone, so a resume may change it freely."""
+    """The inputs that decide which sample a step reads. The validation sets are not among
+    them (data.valid_samples, the default set's size, and data.valid_sets, the further sets):
+    megatron builds the training split's samples from the training count alone, and a
+    further set is a dataset of its own, so a resume may change, add or drop them freely."""
     d = config.data
     weights = d.weights or [1.0] * len(d.prefixes)
     return {

@@ -1,5 +1,9 @@
-"""Validation: the loss over a whole validation set (in the loop, every ``run.eval_interval``
-steps), and the ``eval`` command, which scores a checkpoint on the config's datasets."""
+"""Validation: the loss over each whole validation set (in the loop, every
+``run.eval_interval`` steps), and the ``eval`` command, which scores a checkpoint on the
+config's datasets. The default set (the validation split of data.prefixes) keeps the keys
+``val_loss``, ``val_ppl`` and ``val_samples``; each set of data.valid_sets adds
+``val/<name>/loss``, ``val/<name>/ppl`` and ``val/<name>/samples``, measured by the same
+:func:`evaluate`."""
 
 from __future__ import annotations
 
@@ -12,7 +16,12 @@ from megatron.core import parallel_state
 
 from pretrain.build import preflight, setup
 from pretrain.config import Config
-from pretrain.data.batches import build_datasets, microbatches_per_step, step_microbatches
+from pretrain.data.batches import (
+    build_datasets,
+    build_valid_sets,
+    microbatches_per_step,
+    step_microbatches,
+)
 from pretrain.report.metrics import strict_json
 from pretrain.run.checkpoint import run_folder, weights_source
 from runtime import device, weights
@@ -30,7 +39,8 @@ def evaluate_checkpoint(config: Config, path: str) -> dict:
     chunks = setup(config)
     weights.load(chunks, found)
     _, valid = build_datasets(config, tokenizer)
-    result = {"checkpoint": str(found), **evaluate(config, chunks, valid)}
+    further = build_valid_sets(config, tokenizer)
+    result = {"checkpoint": str(found), **evaluate_sets(config, chunks, valid, further)}
     if dist.get_rank() == 0:
         log_to = run_folder(found) / "eval.jsonl"
         try:
@@ -59,17 +69,45 @@ def _mean_loss(per_batch: list[list[torch.Tensor]]) -> float:
     return float((totals[:, 0] / totals[:, 1]).mean())
 
 
-def evaluate(config: Config, chunks, dataset) -> dict:
-    """Mean validation loss over the whole validation set (data.valid_samples sequences from
-    its start, in full global batches, so the mean of batch means is the mean over
-    sequences), its perplexity, and the set's size (logged with them, so a number is never
-    read without the set it was measured on)."""
+def validates(config: Config) -> bool:
+    """Whether the run has a validation set: the default one or one of data.valid_sets."""
+    return bool(config.data.valid_samples or config.data.valid_sets)
+
+
+def evaluate_sets(config: Config, chunks, valid, further: list) -> dict:
+    """One record of every validation set: the default set ``valid`` (when data.valid_samples
+    is not 0) under its own keys, then each (ValidSet, dataset) of ``further`` as
+    ``val/<name>/{loss,ppl,samples}``."""
+    result = evaluate(config, chunks, valid) if config.data.valid_samples else {}
+    for valid_set, dataset in further:
+        one = evaluate(config, chunks, dataset, valid_set.samples)
+        result.update({f"val/{valid_set.name}/{key.removeprefix('val_')}": value
+                       for key, value in one.items()})
+    return result
+
+
+def per_set(result: dict) -> list[tuple[str, float, float]]:
+    """(name, loss, perplexity) of each set of an :func:`evaluate_sets` record, the default
+    set first, named ""."""
+    found = [("", result["val_loss"], result["val_ppl"])] if "val_loss" in result else []
+    names = [key[len("val/"):-len("/loss")] for key in result
+             if key.startswith("val/") and key.endswith("/loss")]
+    return found + [(name, result[f"val/{name}/loss"], result[f"val/{name}/ppl"])
+                    for name in names]
+
+
+def evaluate(config: Config, chunks, dataset, samples: int | None = None) -> dict:
+    """Mean validation loss over the whole validation set (its first ``samples`` sequences,
+    default data.valid_samples, in full global batches, so the mean of batch means is the
+    mean over sequences), its perplexity, and the set's size (logged with them, so a number
+    is never read without the set it was measured on)."""
     d = config.data
+    samples = d.valid_samples if samples is None else samples
     for chunk in chunks:
         chunk.eval()
     per_batch = []
     with torch.no_grad():
-        for i in range(d.valid_samples // d.global_batch_size):
+        for i in range(samples // d.global_batch_size):
             batch = step_microbatches(dataset, i * d.global_batch_size, d.global_batch_size,
                                       d.micro_batch_size)
             n = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
@@ -79,4 +117,4 @@ def evaluate(config: Config, chunks, dataset) -> dict:
         chunk.train()
     loss = _mean_loss(per_batch)
     return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)),
-            "val_samples": d.valid_samples}
+            "val_samples": samples}

@@ -25,6 +25,7 @@ from pretrain.build import params_dtype, preflight, setup
 from pretrain.config import Config
 from pretrain.data.batches import (
     build_datasets,
+    build_valid_sets,
     microbatches_per_step,
     step_microbatches,
 )
@@ -43,7 +44,7 @@ from pretrain.run.lock import RunLock
 from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest
 from pretrain.train import diagnostics
-from pretrain.train.evaluate import evaluate, loss_share
+from pretrain.train.evaluate import evaluate_sets, loss_share, per_set, validates
 from pretrain.train.start import StartPoint, check_start, sha256
 from pretrain.train.stragglers import Stragglers
 from pretrain.train.watchdog import Watchdog
@@ -172,6 +173,7 @@ class Training:
         self.identity = {**begin.identity, "config_sha256": sha256(self.run_dir / "config.toml")}
         announce(config, self.parameters, start, begin.previous)
         self.train_set, self.valid_set = build_datasets(config, tokenizer, begin.position)
+        self.valid_sets = build_valid_sets(config, tokenizer)  # data.valid_sets
         if parallel.any_rank(self.stop.requested):
             return _stopped_in_start_up(self.stop, start)
         self.metrics = MetricsLogger(config, self.run_dir, run_metadata(self.parameters))
@@ -198,11 +200,11 @@ class Training:
     def loop(self, step: int) -> dict:
         """Steps from ``step`` to run.steps; validation and checkpoints on their intervals;
         a stop request ends it after a save."""
-        r, d = self.config.run, self.config.data
+        r = self.config.run
         throughput = Throughput(self.config)
         diag = diagnostics.build(self.config, self.chunks)  # None when off: no hooks at all
         stragglers = Stragglers(self.chunks, r.straggler_ratio, is_logging_rank())
-        if step == 0 and d.valid_samples:
+        if step == 0 and validates(self.config):
             self.validate(0)
         self.progress.begin()  # after the first validation: the ETA counts training steps only
         bad_in_a_row = skipped = 0
@@ -236,7 +238,7 @@ class Training:
                     f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
                     f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
                     f"{self.saver.latest_text()}")
-            if d.valid_samples and step % r.eval_interval == 0 and step < r.steps:
+            if validates(self.config) and step % r.eval_interval == 0 and step < r.steps:
                 self.validate(step)
             if status.stop or (r.save_interval and step % r.save_interval == 0) \
                     or step == r.steps:
@@ -246,7 +248,7 @@ class Training:
                 self.progress.message(f"stopped by signal after step {step}; checkpoint saved")
                 return {"stopped_at": step}
         self.progress.close()
-        return self.validate(step) if d.valid_samples else {}
+        return self.validate(step) if validates(self.config) else {}
 
     def step(self, step: int, diag) -> tuple[StepStatus, float, float | None]:
         """One optimizer step from ``step`` (0-based): forward and backward over its
@@ -269,10 +271,11 @@ class Training:
 
     def validate(self, step: int) -> dict:
         with self.watchdog.long(f"validation at step {step}"):
-            result = evaluate(self.config, self.chunks, self.valid_set)
+            result = evaluate_sets(self.config, self.chunks, self.valid_set, self.valid_sets)
         self.metrics.log({"step": step, **result})
-        self.progress.message(f"validation at step {step}: loss {result['val_loss']:.4f}, "
-                              f"perplexity {result['val_ppl']:.1f}")
+        for name, loss, ppl in per_set(result):
+            self.progress.message(f"validation{' ' + name if name else ''} at step {step}: "
+                                  f"loss {loss:.4f}, perplexity {ppl:.1f}")
         return result
 
     def save(self, step: int) -> None:

@@ -169,6 +169,9 @@ CASES = {
     "dry run without the data": (
         lambda c: [*_train(c, f"--data.prefixes={_in(c, 'data', 'nothing')}"), "--dry-run"],
         ["nothing.bin", "does not exist"]),
+    "dry run of a start with too large a further validation set": (
+        lambda c: [*_train(c, _part_set(c, ":8000")), "--dry-run"],
+        ["data.valid_sets 'part'", "8000 validation sequences", "the largest SAMPLES that fits"]),
     "negative peak TFLOP/s": (lambda c: _train(c, "--logging.peak_tflops=-989"),
                               ["logging.peak_tflops (-989.0)", ">= 0"]),
     "no validation share": (lambda c: _train(c, "--data.split=100,0,0"),
@@ -198,6 +201,10 @@ def _small_tokenizer(c) -> list[str]:
     return [f"--data.tokenizer={_in(c, 'data', 'small.model')}",
             f"--data.prefixes={_in(c, 'data', 'small-topics')}"]
 
+
+def _part_set(c, samples: str = "") -> str:
+    """data.valid_sets naming the 20-document dataset ``part`` (``samples``: ":N" or none)."""
+    return f"--data.valid_sets=part={_in(c, 'data', 'part')}{samples}"
 
 def _data(c, name: str):
     return _train(c, f"--data.prefixes={_in(c, 'data', name)}")
@@ -250,6 +257,27 @@ EARLY_CASES = {
         lambda c: _train(c, "--data.valid_samples=8000"),
         ["data.valid_samples (8000)", "topics'", "8000 validation sequences of 32 tokens",
          "data.split '98,2,0'", "holds"]),
+    # further validation sets (data.valid_sets), each checked as the default set is
+    "malformed further validation set": (
+        lambda c: _train(c, f"--data.valid_sets={_in(c, 'data', 'part')}"),
+        ["data.valid_sets entry", "must look like NAME=PREFIX[:SAMPLES]"]),
+    "further validation set named twice": (
+        lambda c: _train(c, f"{_part_set(c)},{_part_set(c, ':8').split('=', 1)[1]}"),
+        ["data.valid_sets names 'part' twice"]),
+    "further validation set of part of a batch": (
+        lambda c: _train(c, _part_set(c, ":12")),
+        ["data.valid_sets entry 'part=", "SAMPLES (12) must be a multiple of "
+         "data.global_batch_size (8)"]),
+    "missing further validation set": (
+        lambda c: _train(c, f"--data.valid_sets=wiki={_in(c, 'data', 'wiki')}"),
+        ["data.valid_sets 'wiki': data file", "wiki.bin' does not exist"]),
+    "further validation set of another tokenizer": (
+        lambda c: _train(c, *_small_tokenizer(c), f"--data.valid_sets=big={c['data']['prefix']}"),
+        ["data.valid_sets 'big'", "has token id", ">= tokenizer vocab_size 400"]),
+    "further validation set larger than its data": (
+        lambda c: _train(c, _part_set(c, ":8000")),
+        ["data.valid_sets 'part' asks", "part' for 8000 validation sequences of 32 tokens",
+         "its 20 documents hold", "the largest SAMPLES that fits is"]),
     "retired eval_iters": (lambda c: _train(c, "--run.eval_iters=4"),
                            ["run.eval_iters (4) is no longer a setting", "data.valid_samples"]),
     "retired HybridNorm* switch": (
@@ -357,6 +385,12 @@ EARLY_CASES = {
                                  ["model.vocab_size (512 in the checkpoint, 1024 here)"]),
     "eval without a validation set": (lambda c: _eval(c, "finished", "--data.valid_samples=0"),
                                       ["data.valid_samples (0)", ">= 1"]),
+    "eval of too large a further validation set": (
+        lambda c: _eval(c, "finished", _part_set(c, ":8000")),
+        ["data.valid_sets 'part'", "the largest SAMPLES that fits is"]),
+    "eval of a missing further validation set": (
+        lambda c: _eval(c, "finished", f"--data.valid_sets=wiki={_in(c, 'data', 'wiki')}"),
+        ["data.valid_sets 'wiki': data file", "does not exist"]),
     "eval of a file": (lambda c: ["eval", "--config", str(c["run"] / "config.toml"),
                                   "--checkpoint", _in(c, "a-file")], ["a-file", "is a file"]),
     "eval of empty complete.json": (lambda c: _eval(c, "empty-complete"), ["not readable JSON"]),
