@@ -19,8 +19,8 @@ Any config field can be set on the command line as --section.key=value (command 
 Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
   (--data.prefixes=data/a --data.prefixes=data/b), or TOML (--data.prefixes='["data/a"]');
   --data.weights=0.3,0.7. Megatron-LM's weighted form ["0.3", "data/a", "0.7", "data/b"] is
-  accepted too. Sections: model, parallel, optim, data, run, logging, kernels, diagnostics;
-  every field is documented in model/config.py and pretrain/config.py.
+  accepted too. Sections: model, parallel, optim, data, run, guard, logging, kernels,
+  diagnostics, eval; every field is documented in model/config.py and pretrain/config.py.
 Without --config, train, eval and generate use the config.toml of the run folder named by
 --run.dir (eval and generate: the run folder holding --checkpoint)."""
 # read a checkpoint, take config overrides

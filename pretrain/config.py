@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from kernels.backend import NormBackend
 from model.config import ModelConfig, ParallelConfig, coerce_choices, require, validate_layout
-from pretrain.paths import require_creatable, require_file
+from pretrain.paths import require_creatable, require_file, require_folder
 from runtime.errors import ConfigError
 
 
@@ -180,8 +180,6 @@ class RunConfig:
     The next save and the end of the run wait for it; a failed write stops the run as a
     failed save does. Costs host memory of up to one more copy of the state while it writes
     (pretrain/run/saver.py)."""
-    max_nonfinite_steps: int = 3
-    """Abort after this many consecutive steps with a NaN/Inf loss or gradient."""
     allow_data_change: bool = False
     """Resume even though the data differs from the checkpoint's (other prefixes or weights,
     split, seed, global batch or sequence length): the run continues from the checkpoint's
@@ -210,6 +208,41 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         coerce_choices("run", self)
+
+
+class GuardAction(StrEnum):
+    STOP = "stop"  # end the run (exit 3) naming the latest checkpoint
+    ROLLBACK = "rollback"  # reload the latest checkpoint and skip the batches after it
+
+
+@dataclass
+class GuardConfig:
+    """What a bad step does (``pretrain/train/guard.py``). A step with a NaN/Inf loss or
+    gradient never updates the weights; with ``spikes`` neither does an outlier step. Skipped
+    steps are counted and logged; ``max_skipped`` of them in a row trigger ``action``."""
+
+    spikes: bool = False
+    """Skip the update of a step whose loss or gradient norm exceeds the mean of the last
+    ``window`` updated steps by more than ``sigma`` standard deviations (OLMo-core's rule)."""
+    window: int = 128
+    """Updated steps whose loss and gradient norm the spike rule compares against."""
+    sigma: float = 6.0
+    """Standard deviations above the window's mean that make a step a spike."""
+    warmup: int = 64
+    """Updated steps the window must hold before the spike rule judges (the first steps of a
+    run move fast and would all look like outliers)."""
+    max_skipped: int = 3
+    """Skipped steps in a row (spikes or NaN/Inf) that trigger ``action``."""
+    action: GuardAction = GuardAction.STOP
+    """stop: end the run naming its latest checkpoint; rollback: reload the latest checkpoint
+    and skip the ``rollback_skip_batches`` batches that follow it (PaLM's recipe)."""
+    rollback_skip_batches: int = 100
+    """Global batches a rollback skips after the checkpoint it reloads."""
+    max_rollbacks: int = 3
+    """Rollbacks one run may make (checkpointed with the run); one more stops it."""
+
+    def __post_init__(self) -> None:
+        coerce_choices("guard", self)
 
 
 @dataclass
@@ -258,15 +291,36 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Downstream tasks (lm-evaluation-harness) scored on the live model while it trains
+    (``pretrain/train/downstream.py``), every rank taking part whatever the layout."""
+
+    downstream_tasks: list[str] = field(default_factory=list)
+    """lm-eval task names (its registry, or the YAML tasks of ``include_path``) scored by
+    log-likelihood: multiple choice and perplexity tasks. Empty: none."""
+    downstream_interval: int = 0
+    """Score the tasks every this many steps and at the end (0: at the end only)."""
+    downstream_limit: int = 100
+    """At most this many documents per task each time (0: all), the first ones of the task's
+    evaluation split, so every evaluation scores the same documents."""
+    include_path: str = ""
+    """A folder of local lm-eval task YAML files (a task over local files needs no network)."""
+    num_fewshot: int = 0
+    """Examples each prompt is given (lm-eval's --num_fewshot)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def seq_length(self) -> int:
@@ -320,6 +374,21 @@ RETIRED_KEYS = {
                                         "computes it, not the gated block 0 of earlier "
                                         "versions)",
 }
+
+
+# Keys that moved, with their new place: an old config (a run folder's config.toml) still
+# loads, its value taking the new key unless that is set too.
+MOVED_KEYS = {"run.max_nonfinite_steps": "guard.max_skipped"}
+
+
+def _move_keys(raw: dict[str, Any]) -> None:
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        values = raw.get(old_section)
+        if isinstance(values, dict) and old_key in values:
+            value = values.pop(old_key)
+            raw.setdefault(new_section, {}).setdefault(new_key, value)
 
 
 def _build_section(name: str, cls: type, values: dict[str, Any]):
@@ -441,6 +510,7 @@ def load_config(path: str | None, overrides: list[str] = (), training: bool = Tr
     (the launch's, for a command that builds process groups) adds the data-parallel rules."""
     raw = read_toml(Path(path)) if path is not None else {}
     raw = apply_overrides(raw, list(overrides))
+    _move_keys(raw)
     sections = {f.name: f for f in dataclasses.fields(Config)}
     built = {}
     for name, values in raw.items():
@@ -474,9 +544,10 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
     _require_finite(config)
     validate_layout(config.model, config.parallel)
     o, d, r, lg = config.optim, config.data, config.run, config.logging
-    for name in ("steps", "log_interval", "eval_interval", "keep_last", "max_nonfinite_steps"):
+    for name in ("steps", "log_interval", "eval_interval", "keep_last"):
         value = getattr(r, name)
         require(value >= 1, f"run.{name} ({value}) must be >= 1")
+    _validate_guard(config.guard)
     require(0 <= r.seed < 2**31, f"run.seed ({r.seed}) must be in [0, 2**31)")
     if training:
         require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
@@ -527,6 +598,12 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
     require(r.hang_timeout >= 0,
             f"run.hang_timeout ({r.hang_timeout}) must be >= 0 seconds (0: no watchdog)")
     require(r.straggler_ratio > 1, f"run.straggler_ratio ({r.straggler_ratio}) must be > 1")
+    ev = config.eval
+    for name in ("downstream_interval", "downstream_limit", "num_fewshot"):
+        value = getattr(ev, name)
+        require(value >= 0, f"eval.{name} ({value}) must be >= 0")
+    if ev.include_path:
+        require_folder(ev.include_path, "eval.include_path")
     dg = config.diagnostics
     require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
     require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
@@ -548,6 +625,29 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
             require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
                      f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
                      f"({config.parallel.pp}) and larger than it with virtual pipelining")
+
+
+def _validate_guard(g: GuardConfig) -> None:
+    for name in ("window", "max_skipped", "rollback_skip_batches"):
+        value = getattr(g, name)
+        require(value >= 1, f"guard.{name} ({value}) must be >= 1")
+    require(g.sigma > 0, f"guard.sigma ({g.sigma}) must be > 0")
+    require(2 <= g.warmup <= g.window, f"guard.warmup ({g.warmup}) must be in [2, guard.window "
+            f"({g.window})]: the spike rule needs a mean and a standard deviation")
+    require(g.max_rollbacks >= 0, f"guard.max_rollbacks ({g.max_rollbacks}) must be >= 0")
+
+
+def changed_settings(before: dict[str, dict], after: dict[str, dict]) -> dict[str, list]:
+    """``{"section.key": [before, after]}`` for every setting both :meth:`Config.to_dict`
+    results hold with different values. A key only one of them holds is a setting that was
+    added or retired in between (an older checkpoint), not a change anyone made."""
+    changes = {}
+    for section in sorted(set(before) & set(after)):
+        old, new = before[section], after[section]
+        for key in sorted(set(old) & set(new)):
+            if old[key] != new[key]:
+                changes[f"{section}.{key}"] = [old[key], new[key]]
+    return changes
 
 
 def to_toml(config: Config) -> str:

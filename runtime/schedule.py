@@ -38,12 +38,24 @@ def forward_backward(
     compute device, so that a training step reads them back to the host once, not once per
     micro-batch. Gradients are left in the chunks' ``main_grad`` buffers, finalised across
     ranks."""
-    batches = list(microbatches)
-    iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     for chunk in chunks:
         chunk.zero_grad_buffer()
+    results = run_schedule(chunks, microbatches, num_microbatches, seq_length, micro_batch_size,
+                           forward_step, forward_only)
+    return [r["lm loss"] for r in results]
+
+
+def run_schedule(chunks: list, microbatches: Iterable[dict], num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, step_func,
+                 forward_only: bool = True) -> list[dict]:
+    """megatron's schedule over ``microbatches`` with ``step_func`` (megatron's forward-step
+    contract: (data iterator, model) -> (output, loss function returning (loss, dict))).
+    Returns the loss functions' dicts on the last pipeline stage, one per micro-batch (empty
+    elsewhere): how a forward-only pass gets any per-sequence result out of the pipeline."""
+    batches = list(microbatches)
+    iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     results = get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=step_func,
         data_iterator=iterators,
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=num_microbatches,
@@ -53,4 +65,4 @@ def forward_backward(
     )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return []
-    return [r["lm loss"] for r in results]
+    return list(results)

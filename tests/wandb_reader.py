@@ -57,3 +57,15 @@ def read_run(path: Path) -> tuple[dict, list[dict]]:
             for item in updates:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return config, history
+
+
+def read_summary(path: Path) -> dict:
+    """The summary values an offline run file sets (the last value of each key)."""
+    summary = {}
+    for raw in _records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return summary

@@ -2,10 +2,13 @@
 
 Only one rank logs: the first tensor- and data-parallel rank of the last pipeline stage, where
 the loss lives. wandb is imported lazily, so a disabled run never touches it. A resumed run
-reuses the W&B run id stored in the run folder and so continues the same W&B run.
+reuses the W&B run id stored in the run folder and so continues the same W&B run, on one step
+axis: W&B keeps one row per step and refuses steps below its last one, so steps trained a
+second time (after a crash, the steps between the last checkpoint and the crash; after a
+rollback, those since the checkpoint rolled back to) go to metrics.jsonl only, until the run
+passes the last step W&B holds; a one-line notice says so.
 metrics.jsonl is strict JSON: a non-finite value is written as null. Readers of metrics.jsonl
-should take the last record of each step: after a crash, the steps
-between the last checkpoint and the crash are trained again and logged a second time.
+should take the last record of each step.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import math
 import netrc
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -58,6 +62,17 @@ def check_wandb(config: Config) -> None:
                           "`wandb sync RUN/wandb/offline-run-*`) or auto")
 
 
+STEP = re.compile(rb'"step": (\d+)')
+
+
+def last_step(path: Path) -> int:
+    """The highest step a metrics.jsonl holds (-1: none), read without parsing each line."""
+    if not path.is_file():
+        return -1
+    with path.open("rb") as f:
+        return max((int(m.group(1)) for line in f if (m := STEP.search(line))), default=-1)
+
+
 def strict_json(record: dict) -> str:
     """One JSON line; NaN and Inf (a diverged loss) become null, which every JSON reader
     accepts (Python's default writes the non-standard bare NaN)."""
@@ -71,6 +86,10 @@ class MetricsLogger:
         self.active = is_logging_rank()
         self.path = run_dir / "metrics.jsonl"
         self.wandb_run = None
+        self.wandb_high = -1
+        """The highest step the W&B run holds."""
+        self._held_back: int | None = None
+        """The first step of the range being kept from W&B (None: none is)."""
         if not self.active:
             return
         mode = resolve_wandb_mode(config.logging.wandb_mode)
@@ -82,7 +101,11 @@ class MetricsLogger:
         import wandb
 
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        if id_file.is_file():  # the W&B run holds every step metrics.jsonl holds
+            run_id = id_file.read_text().strip()
+            self.wandb_high = last_step(self.path)
+        else:
+            run_id = uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         lg = config.logging
         self.wandb_run = wandb.init(
@@ -97,9 +120,46 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(strict_json(record) + "\n")
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and self._to_wandb(record["step"]):
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
                                step=record["step"])
+
+    def _to_wandb(self, step: int) -> bool:
+        """Whether a record of ``step`` goes to W&B: a step above the last it holds, or that
+        step again while this process is still on it (a rollback's record, diagnostics)."""
+        if step > self.wandb_high or (step == self.wandb_high and self._held_back is None):
+            if self._held_back is not None:
+                self._held_back = None
+            self.wandb_high = step
+            return True
+        if self._held_back is None:
+            self._held_back = step
+            log.info("W&B already holds steps up to %d: the steps trained again from %d on "
+                     "go to metrics.jsonl only until step %d", self.wandb_high, step,
+                     self.wandb_high + 1)
+        return False
+
+    def log_changes(self, step: int, changes: dict[str, list]) -> None:
+        """Settings a resume changed (``{"section.key": [old, new]}``), from ``step`` on:
+        a line of settings_changes.jsonl in the run folder, the W&B run's config (which then
+        holds the values in force) and its summary (``settings_changes/<key>``: old -> new at
+        step)."""
+        if not self.active or not changes:
+            return
+        with (self.path.parent / "settings_changes.jsonl").open("a") as f:
+            f.write(strict_json({"step": step, "changes": changes}) + "\n")
+        if self.wandb_run is None:
+            return
+        sections: dict[str, dict] = {}
+        for key, (_, new) in changes.items():
+            section, _, name = key.partition(".")
+            sections.setdefault(section, {})[name] = new
+        for section, values in sections.items():
+            merged = {**dict(self.wandb_run.config.get(section, {})), **values}
+            self.wandb_run.config.update({section: merged}, allow_val_change=True)
+        for key, (old, new) in changes.items():
+            self.wandb_run.summary[f"settings_changes/{key}"] = \
+                f"{json.dumps(old)} -> {json.dumps(new)} at step {step}"
 
     def log_evaluation(self, name: str, step: int, values: dict[str, float]) -> None:
         """Scores computed after the run (lm-eval of a checkpoint) into the run's W&B run as

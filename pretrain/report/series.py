@@ -14,11 +14,14 @@ Only the standard library here: the report must start fast and without torch.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import DataError
+
+log = logging.getLogger("pretrain")
 
 
 @dataclass(frozen=True)
@@ -85,17 +88,24 @@ def _number(value) -> float | None:
 
 def _records(path: Path, what: str):
     """(line number, object) of every non-blank line; any other line is a DataError naming
-    the file, the line and the rule."""
+    the file, the line and the rule, except a last line without its newline that is not JSON:
+    a write a crash cut short (the state a crashed run leaves, which is when a report is most
+    wanted), left out with a warning."""
     try:
-        lines = path.read_text().splitlines()
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"{what} '{path}' cannot be read: {err}") from None
+    lines = text.splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
+            if number == len(lines) and not text.endswith("\n"):
+                log.warning("%s '%s': line %d was cut short (a crash during a write); left "
+                            "out", what, path, number)
+                return
             raise DataError(f"{what} '{path}' line {number} is not JSON ({err.msg}, column "
                             f"{err.colno}): {line[:60]!r}") from None
         step = record.get("step") if isinstance(record, dict) else None

@@ -1,8 +1,9 @@
 """The training loop: one function, :func:`train`, run on every rank.
 
 Per step: the step's micro-batches go through megatron's schedule, the loss and gradients are
-checked for NaN/Inf (a bad step is skipped and counted; too many in a row abort), the
-optimizer and LR schedule step, and metrics, validation and checkpoints follow their
+checked for NaN/Inf and, with guard.spikes, for spikes (pretrain.train.guard: a bad step is
+skipped and counted; too many in a row stop the run or roll it back to its latest checkpoint),
+the optimizer and LR schedule step, and metrics, validation and checkpoints follow their
 intervals. SIGTERM/SIGUSR1 finish the current step, save, and return normally; during
 start-up they stop the run before its first step, with nothing to save (pretrain.run.stop).
 """
@@ -10,6 +11,7 @@ start-up they stop the run before its first step, with nothing to save (pretrain
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import time
@@ -22,7 +24,7 @@ from megatron.core import parallel_state
 
 from model.builder import model_parameters
 from pretrain.build import params_dtype, preflight, setup
-from pretrain.config import Config
+from pretrain.config import Config, GuardAction
 from pretrain.data.batches import (
     build_datasets,
     build_valid_sets,
@@ -45,6 +47,7 @@ from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest
 from pretrain.train import diagnostics
 from pretrain.train.evaluate import evaluate_sets, loss_share, per_set, validates
+from pretrain.train.guard import SpikeGuard, Verdict, grad_norm_limit_into
 from pretrain.train.start import StartPoint, check_start, sha256
 from pretrain.train.stragglers import Stragglers
 from pretrain.train.watchdog import Watchdog
@@ -95,13 +98,29 @@ def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
     return {"stopped_at": at}
 
 
-def check_before_start(config: Config, config_path: str | None) -> tuple[Tokenizer, StartPoint]:
+class Prepared(NamedTuple):
+    """What the checks before a start found: the tokenizer, where the run starts, and its
+    downstream tasks, built (None: it has none)."""
+
+    tokenizer: Tokenizer
+    begin: StartPoint
+    downstream: object | None
+
+
+def check_before_start(config: Config, config_path: str | None) -> Prepared:
     """Every check a start makes before a process group or model exists (what ``--dry-run``
-    runs too): W&B credentials, the tokenizer and the data (validation split included), and
-    what the run resumes or starts from. Reads only; returns (tokenizer, start point)."""
+    runs too): W&B credentials, the tokenizer and the data (validation split included), what
+    the run resumes or starts from, and its downstream tasks (built: their data read). Writes
+    nothing."""
     check_wandb(config)
     tokenizer = preflight(config)
-    return tokenizer, check_start(config, config_path)
+    begin = check_start(config, config_path)
+    tasks = None
+    if config.eval.downstream_tasks:  # lm-eval is imported only by runs that use it
+        from pretrain.train import downstream
+
+        tasks = downstream.prepare(config)
+    return Prepared(tokenizer, begin, tasks)
 
 
 def train(config: Config, stop: StopRequest | None = None,
@@ -114,7 +133,7 @@ def train(config: Config, stop: StopRequest | None = None,
     checkpoint to resume or load is (all before a process group or model exists) and the
     lock (one run per folder)."""
     stop = stop or StopRequest.install()
-    tokenizer, begin = check_before_start(config, config_path)
+    tokenizer, begin, tasks = check_before_start(config, config_path)
     chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
     if parallel.any_rank(stop.requested):  # start-up stops only together
@@ -127,7 +146,7 @@ def train(config: Config, stop: StopRequest | None = None,
         run = Training(config, chunks, begin, stop)
         if parallel.any_rank(stop.requested):
             return _stopped_in_start_up(stop, begin.position.step)
-        return run.start(tokenizer)
+        return run.start(tokenizer, tasks)
     finally:
         lock.release()
 
@@ -146,6 +165,7 @@ class Training:
         self.optimizer, self.scheduler = build_optimizer(config, chunks, params_dtype(config))
         self.parameters = model_parameters(chunks)
         self._resume()
+        self.guard = SpikeGuard(config.guard, begin.record.get("guard"))
 
     def _resume(self) -> None:
         """The checkpoint this run resumes, or the weights a fresh run starts from."""
@@ -165,18 +185,23 @@ class Training:
         d = self.config.data
         return self.begin.position.advance(step, d.global_batch_size, self.config.seq_length)
 
-    def start(self, tokenizer) -> dict:
+    def start(self, tokenizer, downstream=None) -> dict:
         """Write the run folder, open the data and the reporters, then run :meth:`loop`."""
         config, begin, start = self.config, self.begin, self.begin.position.step
         prepare_run_dir(self.run_dir, config, self.parameters,
                         resuming=begin.previous is not None)
         self.identity = {**begin.identity, "config_sha256": sha256(self.run_dir / "config.toml")}
         announce(config, self.parameters, start, begin.previous)
+        self.tokenizer, self.downstream = tokenizer, downstream
         self.train_set, self.valid_set = build_datasets(config, tokenizer, begin.position)
         self.valid_sets = build_valid_sets(config, tokenizer)  # data.valid_sets
         if parallel.any_rank(self.stop.requested):
             return _stopped_in_start_up(self.stop, start)
         self.metrics = MetricsLogger(config, self.run_dir, run_metadata(self.parameters))
+        for key, (old, new) in begin.changes.items():
+            log.info("resumed with %s = %s (was %s until step %d)", key, _toml(new),
+                     _toml(old), start)
+        self.metrics.log_changes(start, begin.changes)
         self.progress = Progress(start, config.run.steps, enabled=is_logging_rank())
         self.watchdog = Watchdog(config.run.hang_timeout, self.run_dir / "hangs",
                                  dist.get_rank())
@@ -207,39 +232,36 @@ class Training:
         if step == 0 and validates(self.config):
             self.validate(0)
         self.progress.begin()  # after the first validation: the ETA counts training steps only
-        bad_in_a_row = skipped = 0
         while step < r.steps:
             began = time.perf_counter()
             stragglers.step_begins()
-            status, lr, grad_norm = self.step(step, diag)
+            status, verdict, lr, grad_norm = self.step(step, diag)
             step += 1
             self.watchdog.step_done(step)
             self.saver.poll()  # completes a background save whose write has ended
-            if status.finite:
-                bad_in_a_row = 0
-            else:
-                skipped += 1
-                bad_in_a_row += 1
-                log.warning("step %d: non-finite loss or gradient, step skipped", step)
+            if verdict is not Verdict.UPDATE:
+                log.warning("step %d: %s, update skipped", step, self.skip_text(verdict, status,
+                                                                            grad_norm))
             record = None
             if step % r.log_interval == 0 or step == r.steps:
                 record = {"step": step, "consumed_tokens": self.at(step).tokens,
                           "loss": status.loss, "lr": lr,
                           "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                          "skipped_steps": skipped,
+                          "skipped_steps": self.guard.skipped,
+                          "skipped_spikes": self.guard.spikes,
                           **throughput.measure(time.perf_counter() - began)}
                 record.update(stragglers.measure(step))  # collective
                 self.metrics.log(record)
             self.progress.step(step, record)
             for extra in diag.records(step, status.loss) if diag else ():  # collective
                 self.metrics.log(extra)
-            if bad_in_a_row >= r.max_nonfinite_steps:
-                raise TrainingAborted(
-                    f"{bad_in_a_row} consecutive steps had a NaN/Inf loss or gradient "
-                    f"(run.max_nonfinite_steps = {r.max_nonfinite_steps}); "
-                    f"{self.saver.latest_text()}")
+            if self.guard.exhausted():
+                step = self.roll_back(step)
+                continue
             if validates(self.config) and step % r.eval_interval == 0 and step < r.steps:
                 self.validate(step)
+            if self.downstream and not status.stop and self.downstream.due(step, step == r.steps):
+                self.score_downstream(step)
             if status.stop or (r.save_interval and step % r.save_interval == 0) \
                     or step == r.steps:
                 with self.watchdog.long(f"the checkpoint of step {step}"):
@@ -250,10 +272,12 @@ class Training:
         self.progress.close()
         return self.validate(step) if validates(self.config) else {}
 
-    def step(self, step: int, diag) -> tuple[StepStatus, float, float | None]:
+    def step(self, step: int, diag) -> tuple[StepStatus, Verdict, float, float]:
         """One optimizer step from ``step`` (0-based): forward and backward over its
-        micro-batches, then the update unless some loss or gradient is not finite. Returns the
-        step's status, the learning rate it applied and the gradient norm (NaN: skipped)."""
+        micro-batches, then the update unless the guard skips it (a NaN/Inf, or a spike of the
+        loss before the optimizer or of the gradient norm inside it). Returns the step's
+        status, the guard's verdict, the learning rate it applied (or would have) and the
+        gradient norm (NaN: not computed)."""
         config, d = self.config, self.config.data
         self.optimizer.zero_grad()
         with diag.step(step + 1) if diag else contextlib.nullcontext():
@@ -263,11 +287,65 @@ class Training:
                 config.seq_length, d.micro_batch_size)
         status = step_status(losses, self.chunks, self.stop)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        verdict = self.guard.judge_loss(status.loss, status.finite)
         grad_norm = float("nan")
-        if status.finite:
+        if verdict is Verdict.UPDATE:
+            limit = self.guard.grad_norm_limit()
+            grad_norm_limit_into(self.optimizer, limit)  # megatron skips the update above it
             _, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
-        return status, lr, grad_norm
+            if grad_norm is not None and grad_norm > limit:
+                verdict = Verdict.GRAD_SPIKE
+            else:
+                self.scheduler.step(increment=1)
+        self.guard.record(verdict, status.loss, grad_norm)
+        return status, verdict, lr, grad_norm
+
+    def skip_text(self, verdict: Verdict, status: StepStatus, grad_norm: float) -> str:
+        if verdict is Verdict.LOSS_SPIKE:
+            return f"{verdict.value} (loss {status.loss:.4f} > {self.guard.loss_limit():.4f})"
+        if verdict is Verdict.GRAD_SPIKE:
+            return (f"{verdict.value} (gradient norm {grad_norm:.4f} > "
+                    f"{self.guard.grad_norm_limit():.4f})")
+        return verdict.value
+
+    def roll_back(self, step: int) -> int:
+        """After guard.max_skipped skipped steps in a row: stop the run, or (guard.action =
+        rollback) reload the latest checkpoint, move the data position past the next
+        guard.rollback_skip_batches batches and return the checkpoint's step to go on from."""
+        g, d = self.config.guard, self.config.data
+        streak = f"{self.guard.streak_text()} (guard.max_skipped = {g.max_skipped})"
+        with self.watchdog.long(f"the checkpoint in flight after step {step}"):
+            self.saver.wait()  # a save in flight is the checkpoint to return to
+        target = checkpoint.resolve(self.ckpt_root)
+        if g.action is GuardAction.STOP:
+            raise TrainingAborted(f"{streak}; {checkpoint.latest_text(self.ckpt_root)}")
+        if target is None:
+            raise TrainingAborted(f"{streak}; guard.action is rollback but no checkpoint was "
+                                  "written yet (set run.save_interval)")
+        if len(self.guard.rollbacks) >= g.max_rollbacks:
+            raise TrainingAborted(f"{streak}, after {len(self.guard.rollbacks)} rollbacks "
+                                  f"(guard.max_rollbacks = {g.max_rollbacks}); "
+                                  f"{checkpoint.latest_text(self.ckpt_root)}")
+        with self.watchdog.long(f"the rollback to {target.name}"):
+            record = checkpoint.read_record(target)
+            checkpoint.load(target, record, self.chunks, self.optimizer, self.scheduler)
+            saved = checkpoint.position(record, d.global_batch_size, self.config.seq_length)
+            skip = g.rollback_skip_batches * d.global_batch_size
+            position = DataPosition(saved.step, saved.samples + skip,
+                                    saved.tokens + skip * self.config.seq_length)
+            self.train_set, _ = build_datasets(self.config, self.tokenizer, position)
+        self.guard.roll_back(record.get("guard"), step, saved.step, saved.samples,
+                             position.samples)
+        self.begin = self.begin._replace(position=position)
+        self.metrics.log({"step": step, "rollback_to_step": saved.step,
+                          "rollback_first_skipped_sample": saved.samples,
+                          "rollback_skipped_samples": skip,
+                          "rollbacks": len(self.guard.rollbacks)})
+        self.progress.message(
+            f"{streak}: rolled back to {target.name} and skipping its next "
+            f"{g.rollback_skip_batches} batches (samples {saved.samples}-{position.samples - 1})"
+            f"; rollback {len(self.guard.rollbacks)} of at most {g.max_rollbacks}")
+        return saved.step
 
     def validate(self, step: int) -> dict:
         with self.watchdog.long(f"validation at step {step}"):
@@ -278,13 +356,29 @@ class Training:
                                   f"loss {loss:.4f}, perplexity {ppl:.1f}")
         return result
 
+    def score_downstream(self, step: int) -> None:
+        """The downstream tasks on the live model (pretrain.train.downstream); every rank."""
+        began = time.perf_counter()
+        with self.watchdog.long(f"downstream evaluation at step {step}"):
+            result = self.downstream.score(self.chunks, self.tokenizer)
+        seconds = time.perf_counter() - began
+        self.metrics.log({"step": step, **result, "downstream_seconds": seconds})
+        shown = ", ".join(f"{key.removeprefix('downstream/')} {value:.4f}"
+                          for key, value in result.items())
+        self.progress.message(f"downstream at step {step}: {shown} ({seconds:.1f} s)")
+
     def save(self, step: int) -> None:
         """A checkpoint after ``step``, refused (the run aborts) when a weight is not finite."""
         if not weights_finite(self.chunks):
             raise TrainingAborted(f"the weights after step {step} are not finite (NaN/Inf); "
                                   f"no checkpoint written; {self.saver.latest_text()}")
-        record = {**self.identity, "position": self.at(step)._asdict()}
+        record = {**self.identity, "position": self.at(step)._asdict(),
+                  "guard": self.guard.state(), "settings": self.config.to_dict()}
         self.saver.save(step, self.chunks, self.optimizer, self.scheduler, record)
+
+
+def _toml(value) -> str:
+    return json.dumps(value)
 
 
 def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:

@@ -3,7 +3,9 @@
 A resume must be of the same model (always) on the same data (unless allowed: see
 pretrain.run.identity), from a run folder whose config.toml was not edited behind the command's
 back; ``run.init_from`` must hold the same model. All of it reads only small files, so a
-mistake fails in seconds.
+mistake fails in seconds. Every other setting may change on resume (a lower optim.clip_grad,
+another optim.beta2); what changed against the checkpoint's settings is returned, for the run
+to print and record.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hashlib
 from pathlib import Path
 from typing import NamedTuple
 
-from pretrain.config import Config
+from pretrain.config import Config, changed_settings
 from pretrain.data.position import START, DataPosition
 from pretrain.hf import llama as hf_llama
 from pretrain.run import checkpoint, identity
@@ -29,6 +31,9 @@ class StartPoint(NamedTuple):
     position: DataPosition
     weights: Path | None
     identity: dict
+    changes: dict = {}
+    """On resume, each setting that differs from the checkpoint's: ``{"section.key": [old,
+    new]}`` (empty for a checkpoint written before checkpoints recorded their settings)."""
 
 
 def _config_edited(record: dict, run_dir: Path, config_path: str | None) -> str | None:
@@ -81,4 +86,6 @@ def check_start(config: Config, config_path: str | None) -> StartPoint:
     if edited:
         raise ConfigError(edited)
     position = checkpoint.position(record, d.global_batch_size, config.seq_length)
-    return StartPoint(previous, record, position, None, current)
+    changes = changed_settings(record["settings"], config.to_dict()) \
+        if "settings" in record else {}
+    return StartPoint(previous, record, position, None, current, changes)

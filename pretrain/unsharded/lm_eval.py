@@ -37,11 +37,15 @@ from runtime import device
 from runtime.errors import ConfigError, DataError
 
 
-class FrameworkLM(TemplateLM):
-    def __init__(self, model, tokenizer: Tokenizer, vocab_size: int, seq_length: int):
+class WindowedLM(TemplateLM):
+    """What every lm-eval model of this framework shares: token ids from the run's tokenizer,
+    each (context, continuation) scored in a window of at most ``seq_length`` tokens (the most
+    recent kept), and rolling log-likelihoods as lm-eval's disjoint windows. Subclasses score
+    a list of pairs at once (:meth:`score_pairs`), so the live model can batch them."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, seq_length: int):
         super().__init__()
-        self.model, self.tok = model, tokenizer
-        self.vocab_size, self.seq_length = vocab_size, seq_length
+        self.tok, self.vocab_size, self.seq_length = tokenizer, vocab_size, seq_length
 
     @property
     def eot_token_id(self) -> int:
@@ -50,6 +54,34 @@ class FrameworkLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    **kwargs) -> list[int]:
         return self.tok.encode(string)
+
+    def score_pairs(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), whether it is the greedy continuation) of
+        each (context ids, continuation ids), the log-probabilities normalised over the
+        tokenizer's vocabulary (the model's padded rows left out)."""
+        raise NotImplementedError
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        return self.score_pairs([(context, continuation)
+                                 for _, context, continuation in requests])
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows = []
+        for request in requests:
+            (text,) = request.args
+            windows.append([make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.eot_token_id,
+                max_seq_len=self.seq_length, context_len=1)])
+        scores = iter(self.score_pairs([pair for doc in windows for pair in doc]))
+        return [sum(next(scores)[0] for _ in doc) for doc in windows]
+
+
+class FrameworkLM(WindowedLM):
+    """A whole (unsharded) model in this process, scored one sequence at a time."""
+
+    def __init__(self, model, tokenizer: Tokenizer, vocab_size: int, seq_length: int):
+        super().__init__(tokenizer, vocab_size, seq_length)
+        self.model = model
 
     @torch.no_grad()
     def _log_probs(self, tokens: list[int]) -> torch.Tensor:
@@ -61,26 +93,14 @@ class FrameworkLM(TemplateLM):
         return logits.log_softmax(-1).cpu()
 
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """(sum of log p(continuation | context), whether it is the greedy continuation)."""
         window = (context + continuation)[-(self.seq_length + 1):]
         log_probs = self._log_probs(window)[-len(continuation):]
         target = torch.tensor(continuation)
         picked = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
         return float(picked.sum()), bool((log_probs.argmax(-1) == target).all())
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        return [self._score(context, continuation)
-                for _, context, continuation in requests]
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        totals = []
-        for request in requests:
-            (text,) = request.args
-            windows = get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.eot_token_id,
-                max_seq_len=self.seq_length, context_len=1)
-            totals.append(sum(self._score(*make_disjoint_window(w))[0] for w in windows))
-        return totals
+    def score_pairs(self, pairs):
+        return [self._score(context, continuation) for context, continuation in pairs]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         outputs = []
@@ -99,12 +119,12 @@ class FrameworkLM(TemplateLM):
         return outputs
 
 
-def _finite(value):
+def finite(value):
     """lm-eval's results as strict JSON: non-finite numbers (a stderr of one sample) -> None."""
     if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
+        return {str(k): finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value if isinstance(value, str | int | float | bool | None) else str(value)
@@ -117,10 +137,13 @@ def _finite(value):
 DOWNLOAD_ERRORS = (ConnectionError, TimeoutError, LocalEntryNotFoundError)
 
 
-def load_tasks(manager: TaskManager, tasks: list[str]) -> list:
+def load_tasks(manager: TaskManager, tasks: list[str], output_types: tuple[str, ...] = (),
+               option: str = "--include-path") -> list:
     """The tasks built, their data read or downloaded, before the model is loaded: a task
     whose data cannot be had is then one line naming it, in seconds, not a traceback after
-    the model load. Returns what :func:`simple_evaluate` takes instead of the names."""
+    the model load. ``output_types``: the kinds of task allowed (any when empty); ``option``
+    names the local-task setting in messages. Returns what :func:`simple_evaluate` takes
+    instead of the names."""
     built = []
     for name in tasks:
         try:
@@ -129,8 +152,14 @@ def load_tasks(manager: TaskManager, tasks: list[str]) -> list:
         except DOWNLOAD_ERRORS as err:
             raise DataError(
                 f"lm-eval task {name} needs its data from the Hugging Face Hub, which could not "
-                f"be reached ({err}); without network, pass a local task with --include-path DIR "
+                f"be reached ({err}); without network, pass a local task with {option} DIR "
                 f"(a task YAML over local files, e.g. dataset_path: json)") from None
+        for task_name, task in loaded["tasks"].items():
+            kind = getattr(task, "OUTPUT_TYPE", None)
+            if output_types and kind not in output_types:
+                raise ConfigError(f"lm-eval task {task_name} ({kind}) cannot be scored here: "
+                                  f"only {', '.join(output_types)} tasks can; score it with "
+                                  "`python -m pretrain lm-eval` on a checkpoint")
         built += _top_level(loaded)
     return built
 
@@ -171,7 +200,7 @@ def run_lm_eval(config: Config, checkpoint: str, tasks: list[str], include_path:
     lm = FrameworkLM(model, tokenizer, tokenizer.vocab_size, config.model.seq_length)
     out = simple_evaluate(model=lm, tasks=built, num_fewshot=num_fewshot, limit=limit,
                           task_manager=manager, log_samples=False)
-    result = {"checkpoint": str(found), "tasks": tasks, "results": _finite(out["results"])}
+    result = {"checkpoint": str(found), "tasks": tasks, "results": finite(out["results"])}
     run_dir = run_folder(found)  # results go next to the checkpoint they describe
     with (run_dir / "eval.jsonl").open("a") as f:
         f.write(strict_json(result) + "\n")

@@ -180,7 +180,7 @@ def test_diverging_run_skips_nonfinite_steps_then_aborts(data, tmp_path):
     run = tmp_path / "run"
     done = cli(*train_args(data, run, "--run.steps=10", "--optim.lr=1e30",
                            "--optim.min_lr=0", "--optim.warmup_steps=1",
-                           "--run.max_nonfinite_steps=2", "--data.valid_samples=0"), check=False)
+                           "--guard.max_skipped=2", "--data.valid_samples=0"), check=False)
     assert done.returncode == 3, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 2 consecutive steps had a NaN/Inf loss or gradient"), last

@@ -206,6 +206,7 @@ def _part_set(c, samples: str = "") -> str:
     """data.valid_sets naming the 20-document dataset ``part`` (``samples``: ":N" or none)."""
     return f"--data.valid_sets=part={_in(c, 'data', 'part')}{samples}"
 
+
 def _data(c, name: str):
     return _train(c, f"--data.prefixes={_in(c, 'data', name)}")
 
@@ -243,6 +244,29 @@ EARLY_CASES = {
     "zero eval interval": (lambda c: _train(c, "--run.eval_interval=0"),
                            ["run.eval_interval (0)"]),
     "zero keep_last": (lambda c: _train(c, "--run.keep_last=0"), ["run.keep_last (0)"]),
+    "guard warm-up above its window": (
+        lambda c: _train(c, "--guard.window=8", "--guard.warmup=16"),
+        ["guard.warmup (16) must be in [2, guard.window (8)]"]),
+    "zero guard sigma": (lambda c: _train(c, "--guard.sigma=0"), ["guard.sigma (0.0) must be > 0"]),
+    "unknown guard action": (lambda c: _train(c, "--guard.action=retry"),
+                             ["guard.action ('retry') must be one of: stop, rollback"]),
+    # in-loop downstream tasks: known, in a folder that exists, scored by log-likelihood
+    "unknown downstream task": (
+        lambda c: _train(c, "--eval.downstream_tasks=no_such_task",
+                         "--eval.include_path=tests/fixtures/tasks"),
+        ["eval.downstream_tasks: unknown lm-eval task(s) no_such_task",
+         "eval.include_path 'tests/fixtures/tasks'"]),
+    "missing local task folder": (
+        lambda c: _train(c, "--eval.downstream_tasks=tiny_choice",
+                         "--eval.include_path=tests/fixtures/no-tasks"),
+        ["eval.include_path 'tests/fixtures/no-tasks' does not exist"]),
+    "generation task in the loop": (
+        lambda c: _train(c, "--eval.downstream_tasks=tiny_generate",
+                         "--eval.include_path=tests/fixtures/tasks"),
+        ["lm-eval task tiny_generate (generate_until) cannot be scored here",
+         "python -m pretrain lm-eval"]),
+    "negative downstream limit": (lambda c: _train(c, "--eval.downstream_limit=-1"),
+                                  ["eval.downstream_limit (-1) must be >= 0"]),
     "zero micro-batch": (lambda c: _train(c, "--data.micro_batch_size=0"),
                          ["data.micro_batch_size (0)"]),
     "absurd run length": (lambda c: _train(c, "--run.steps=1000000000000000"),

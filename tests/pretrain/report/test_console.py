@@ -111,7 +111,7 @@ def test_a_failed_first_start_leaves_the_run_folder_usable(data, tmp_path):
     without --config, eval finds the run folder's config from the checkpoint path."""
     run = tmp_path / "run"
     bad = cli(*train_args(data, run, "--run.steps=6", "--optim.lr=1e30", "--optim.min_lr=0",
-                          "--optim.warmup_steps=1", "--run.max_nonfinite_steps=2",
+                          "--optim.warmup_steps=1", "--guard.max_skipped=2",
                           "--data.valid_samples=0"), check=False)
     assert bad.returncode == 3, bad.stderr[-2000:]
     assert "lr = 1e+30" in (run / "config.toml").read_text()

@@ -274,8 +274,9 @@ BAD = {
     "no such folder": (lambda run: [], ["run folder", "does not exist"]),
     "no metrics": (lambda run: (run.mkdir(), (run / "config.toml").write_text("")),
                    ["holds no metrics.jsonl"]),
-    "corrupt line": (lambda run: _write(run, [_train(1, 5.0), '{"step": 2, "loss": 4.'
-                                              ]), ["metrics.jsonl' line 2 is not JSON"]),
+    "corrupt line": (lambda run: _write(run, [_train(1, 5.0), '{"step": 2, "loss": 4.',
+                                              _train(3, 4.0)]),
+                     ["metrics.jsonl' line 2 is not JSON"]),
     "line without a step": (lambda run: _write(run, [_train(1, 5.0), {"loss": 4.0}]),
                             ["metrics.jsonl' line 2 must be a JSON object with a step"]),
     "empty metrics": (lambda run: _write(run, []), ["metrics.jsonl' holds no records"]),
@@ -323,6 +324,16 @@ def test_without_matplotlib_the_error_names_the_extra_and_nothing_is_written(tmp
                                           r"'matplotlib>=3.8' \(the project's `sweep` extra\)"):
         write_report(run)
     assert not (run / "report").exists()
+
+
+def test_a_last_line_cut_short_by_a_crash_is_left_out(tmp_path, caplog):
+    path = _write(tmp_path, [_train(1, 5.0), _train(2, 4.0)])
+    path.write_text(path.read_text() + '{"step": 3, "lo')  # no newline: the write was cut
+    assert read_metrics(path).series["loss"].steps == (1, 2)
+    assert "line 3 was cut short" in caplog.text
+    path.write_text(path.read_text() + "\n")  # a complete line that is not JSON is refused
+    with pytest.raises(DataError, match=r"line 3 is not JSON"):
+        read_metrics(path)
 
 
 def test_a_corrupt_line_names_its_number(tmp_path):
