@@ -12,6 +12,8 @@ without TRITON_INTERPRET (the interpreter has no compiler).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -50,13 +52,29 @@ DEFAULT_CASES = [*(Case(dtype, rms, bias, 2048) for dtype in (torch.bfloat16, to
 
 
 class _Recorder:
-    """Stands in for one @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` records."""
+    """Stands in for one @triton.jit kernel: ``kernel[grid](*args, **kwargs)`` calls
+    ``on_launch(name, args, kwargs)`` instead of launching it."""
 
-    def __init__(self, name: str, launches: list):
-        self.name, self.launches = name, launches
+    def __init__(self, name: str, on_launch: Callable[[str, tuple, dict], None]):
+        self.name, self.on_launch = name, on_launch
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.name, args, kwargs))
+        return lambda *args, **kwargs: self.on_launch(self.name, args, kwargs)
+
+
+@contextlib.contextmanager
+def kernels_replaced(on_launch: Callable[[str, tuple, dict], None]) -> Iterator[None]:
+    """Inside, every kernel of :data:`KERNELS` is a recorder: a launch calls
+    ``on_launch(kernel name, positional args, constexprs and num_warps)`` and computes
+    nothing, so the ops run on tensors of any size (or fake ones) without a GPU."""
+    originals = {n: getattr(triton_kernels, n) for n in KERNELS}
+    for name in KERNELS:
+        setattr(triton_kernels, name, _Recorder(name, on_launch))
+    try:
+        yield
+    finally:
+        for name, kernel in originals.items():
+            setattr(triton_kernels, name, kernel)
 
 
 def arg_type(value) -> str:
@@ -76,17 +94,11 @@ def record_launches(cases: list[Case] | None = None) -> list:
     (default :data:`DEFAULT_CASES`), and return the kernel launches they make as
     (kernel, args, constexprs and num_warps, case)."""
     launches: list = []
-    originals = {n: getattr(triton_kernels, n) for n in KERNELS}
-    for name in KERNELS:
-        setattr(triton_kernels, name, _Recorder(name, launches))
-    try:
+    with kernels_replaced(lambda *launch: launches.append(launch)):
         for case in cases or DEFAULT_CASES:
             start = len(launches)
             _run_ops(case.dtype, case.is_rms, case.has_bias, case.hidden)
             launches[start:] = [(*launch, case) for launch in launches[start:]]
-    finally:
-        for name, kernel in originals.items():
-            setattr(triton_kernels, name, kernel)
     return launches
 
 
