@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
 from pretrain.run import checkpoint
 from runtime import weights
@@ -128,7 +129,15 @@ class Saver:
         checkpoint.complete(self.root, step, tmp, self.keep_last, record, failure)
 
     def _end_writers(self) -> None:
-        """Wait for this rank's writers (no collective) and forget their requests."""
+        """Wait for this rank's writers (no collective) and forget their requests, and what
+        they reported: megatron's writers report into one process-wide queue that the next
+        save of this process reads (foreground saves too), so a report nobody finalised would
+        be taken for that save's and give it another checkpoint's tensor index."""
+        if not self.calls.async_calls:
+            return
         for call in self.calls.async_calls:
             call.async_caller.close()
         self.calls.async_calls.clear()
+        results = get_write_results_queue()
+        while not results.empty():
+            results.get_nowait()

@@ -225,3 +225,18 @@ def test_an_exception_waits_for_the_write_and_says_the_checkpoint_is_not_complet
     assert checkpoint.resolve(tmp_path) is None
     saver.save(2, chunks, optimizer, scheduler, record={})
     assert saver.latest_text() == f"the latest checkpoint is {tmp_path / 'step_00000002'}"
+    # The abandoned write's report is gone: megatron's writers report into one queue per
+    # process, which the next save reads, a foreground one too; another model's save would
+    # take it for its own and miss its tensors.
+    saver = Saver(tmp_path / "again", keep_last=2, background=True)
+    saver.save(1, chunks, optimizer, scheduler, record={})
+    saver.close()
+    other = Config(model=tiny_model("pre"), run=RunConfig(steps=100))
+    other_chunks = wrap_ddp(build_model(other.model, other.parallel, seed=7), other.parallel)
+    other_optimizer, other_scheduler = build_optimizer(other, other_chunks, torch.float32)
+    forward_backward(other_chunks, batches(2), 2, SEQ, MBS)
+    other_optimizer.step()
+    saved = checkpoint.save(tmp_path / "other", 1, other_chunks, other_optimizer,
+                            other_scheduler, keep_last=1, record={})
+    checkpoint.load(saved, checkpoint.read_record(saved), other_chunks, other_optimizer,
+                    other_scheduler)

@@ -13,47 +13,26 @@ from runtime import weights
 from tests.pretrain_fixtures import REPO, cli
 from tests.wandb_reader import read_run
 
-QUESTIONS = [
-    ("The for statement is used to", ["iterate over the elements", "blue cheese", "zzz"], 0),
-    ("A function definition defines", ["nothing at all", "a user-defined function", "x"], 1),
-    ("The import statement", ["finds and loads a module", "is red", "sings"], 0),
-    ("Exceptions are raised", ["by cats", "when an error occurs", "ok"], 1),
-    ("The while statement is used for", ["dinner", "repeated execution", "q"], 1),
-    ("Comparisons yield", ["boolean values", "fish", "the moon"], 0),
-]
-TASK = """task: tiny_choice
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-"""
+# The local task the in-loop tests use too: a YAML over a JSONL file (paths from the repo root).
+TASKS = REPO / "tests" / "fixtures" / "tasks"
+QUESTIONS = [(d["question"], d["choices"], d["answer"]) for d in map(
+    json.loads, (TASKS / "tiny_choice.jsonl").read_text().splitlines())]
+TASK = (TASKS / "tiny_choice.yaml").read_text()
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 # A task over a Hub dataset that no machine has cached: without network it cannot be built.
+# (its metric spelled out in full: lm-eval prints a notice for each metric without them)
 HUB_TASK = TASK.replace("task: tiny_choice", "task: hub_choice").replace(
-    "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n",
-    "dataset_path: siamesenorm-tests/not-on-this-machine\n").replace(
-    "  - metric: acc\n", "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    "dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+    "    test: tests/fixtures/tasks/tiny_choice.jsonl\n",
+    "dataset_path: siamesenorm-tests/not-on-this-machine\n").split("metric_list:")[0] + (
+    "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
 UNREACHABLE = ("error: lm-eval task hub_choice needs its data from the Hugging Face Hub, which "
                "could not be reached (")
 
 
 @pytest.fixture(scope="module")
-def setup(trained_run, tmp_path_factory):
-    run = trained_run
-    tasks = tmp_path_factory.mktemp("tasks")
-    with (tasks / "choice.jsonl").open("w") as f:
-        for question, choices, answer in QUESTIONS:
-            f.write(json.dumps({"question": question, "choices": choices,
-                                "answer": answer}) + "\n")
-    (tasks / "tiny_choice.yaml").write_text(TASK.format(data=tasks / "choice.jsonl"))
-    return run, tasks
+def setup(trained_run):
+    return trained_run, TASKS
 
 
 def direct_accuracy(run) -> float:
