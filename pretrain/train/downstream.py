@@ -187,33 +187,35 @@ def _lm_eval_quiet():
     held back: the run's console shows the scores. tqdm reads TQDM_DISABLE when a bar is
     made, so the run's own progress bar, made earlier, keeps going."""
     logger = logging.getLogger("lm_eval")
-    level, bars = logger.level, os.environ.get("TQDM_DISABLE")
+    level = logger.level
     logger.setLevel(logging.WARNING)
-    os.environ["TQDM_DISABLE"] = "1"
     try:
-        yield
+        with _environ(TQDM_DISABLE="1"):
+            yield
     finally:
         logger.setLevel(level)
-        if bars is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = bars
 
 
-@contextlib.contextmanager
 def _every_rank_gets_results():
     """lm-eval returns its results only where LOCAL_RANK is 0 (for launchers whose ranks all
     compute the same thing, which is the case here, so that one of them writes files); every
     rank of this run needs them, the logging rank first, which need not be local rank 0."""
-    local = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = "0"
+    return _environ(LOCAL_RANK="0")
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Environment variables set for a block, then put back as they were."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if local is None:
-            os.environ.pop("LOCAL_RANK", None)
-        else:
-            os.environ["LOCAL_RANK"] = local
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def prepare(config: Config) -> Downstream | None:

@@ -199,8 +199,8 @@ class Training:
             return _stopped_in_start_up(self.stop, start)
         self.metrics = MetricsLogger(config, self.run_dir, run_metadata(self.parameters))
         for key, (old, new) in begin.changes.items():
-            log.info("resumed with %s = %s (was %s until step %d)", key, _toml(new),
-                     _toml(old), start)
+            log.info("resumed with %s = %s (was %s until step %d)", key, json.dumps(new),
+                     json.dumps(old), start)
         self.metrics.log_changes(start, begin.changes)
         self.progress = Progress(start, config.run.steps, enabled=is_logging_rank())
         self.watchdog = Watchdog(config.run.hang_timeout, self.run_dir / "hangs",
@@ -375,10 +375,6 @@ class Training:
         record = {**self.identity, "position": self.at(step)._asdict(),
                   "guard": self.guard.state(), "settings": self.config.to_dict()}
         self.saver.save(step, self.chunks, self.optimizer, self.scheduler, record)
-
-
-def _toml(value) -> str:
-    return json.dumps(value)
 
 
 def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:
