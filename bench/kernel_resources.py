@@ -10,11 +10,14 @@ Each launch ``bench.triton_launches`` records for those widths, dtypes and norms
 Triton for ``sm_ARCH`` (90: H100, 80: A100, 100: B200) and its PTX assembled once more by the
 ptxas Triton ships, with ``-v``, which reports registers and spills (a compiled kernel reads
 them from the driver, which this machine need not have). Occupancy follows from those numbers
-the way the hardware allocates: registers per warp rounded up to 256 of a 64K register file,
-at most 64 warps and 32 programs per SM, shared memory per program plus 1 KiB reserved. A
-forward launch has one program per ROWS rows; a backward launch the grid
-``kernels.triton_ops.backward_programs`` gives on ``--sms`` SMs. Waves above 1 mean programs
-wait for others to finish; a last wave that is a small fraction leaves most SMs idle.
+by the rules ``kernels.occupancy`` holds, the ones the ops size their backward grids with on a
+GPU: registers per warp rounded up to 256 of a 64K register file, at most 64 warps and 32
+programs per SM, shared memory per program plus 1 KiB reserved. The grid is what the ops
+launch over ``--rows`` rows on ``--sms`` SMs: a forward launch has one program per ROWS rows;
+a backward launch (a kernel looping over rows into weight-gradient partials) one wave of its
+own programs per SM, at least 16 rows each (``kernels.occupancy.backward_programs``), so its
+waves are at most 1. Waves above 1 mean programs wait for others to finish; a last wave that
+is a small fraction leaves most SMs idle.
 
 Compiling takes a few seconds per launch the first time (Triton caches the result). Runs
 without a GPU and without TRITON_INTERPRET.
@@ -30,29 +33,18 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import NamedTuple
 
 import torch
 from triton.backends.nvidia.compiler import get_ptxas
 
 from bench.common import int_list, markdown_table, versions_line
 from bench.triton_launches import NORMS, Case, arg_type, compile_launch, record_launches
-from kernels.triton_ops import backward_programs
+from kernels import triton_kernels
+from kernels.occupancy import SHARED_KIB, Resources, backward_programs, programs_per_sm
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NORM_NAMES = {Case(torch.float32, rms, bias, 0).norm: (rms, bias) for rms, bias in NORMS}
-# Per SM, for the architectures Triton targets here: register file, warps, programs, and
-# shared memory a kernel may use (KiB), from NVIDIA's tuning guides.
-REGISTERS, MAX_WARPS, MAX_PROGRAMS = 65536, 64, 32
-SHARED_KIB = {80: 164, 90: 228, 100: 228}
-RESERVED_SHARED = 1024  # bytes the system keeps per resident program (sm_80 on)
-
-
-class Resources(NamedTuple):
-    registers: int  # per thread
-    spill_stores: int  # bytes per thread
-    spill_loads: int
-    shared: int  # bytes per program
+PARTIALS_ARG = "dw_ptr"  # the weight-gradient partials of a kernel that loops over rows
 
 
 def ptxas_resources(ptx: str, arch: int, shared: int) -> Resources:
@@ -74,21 +66,27 @@ def ptxas_resources(ptx: str, arch: int, shared: int) -> Resources:
                      shared)
 
 
-def programs_per_sm(resources: Resources, num_warps: int, arch: int) -> int:
-    """How many programs of ``num_warps`` warps one SM holds at once: registers are given out
-    per warp in units of 256 (32 threads x registers rounded up to 8), shared memory per
-    program with 1 KiB reserved, and no SM holds more than 64 warps or 32 programs."""
-    per_warp = math.ceil(32 * math.ceil(resources.registers / 8) * 8 / 256) * 256
-    by_registers = (REGISTERS // per_warp) // num_warps
-    by_shared = (SHARED_KIB[arch] * 1024 // (resources.shared + RESERVED_SHARED)
-                 if resources.shared else MAX_PROGRAMS)
-    return min(by_registers, MAX_WARPS // num_warps, by_shared, MAX_PROGRAMS)
+_MEASURED: dict[tuple, Resources] = {}
 
 
-def grid(kernel: str, constexprs: dict, num_warps: int, rows: int, sms: int) -> int:
-    """Programs a launch over ``rows`` rows starts (the ops' own grid rules)."""
-    if kernel.endswith("_bwd"):
-        return backward_programs(rows, sms, num_warps)
+def launch_resources(name: str, args: tuple, kwargs: dict, arch: int) -> Resources:
+    """:func:`ptxas_resources` of a recorded launch (``bench.triton_launches``: kernel name,
+    positional args, constexprs and num_warps) compiled for ``sm_ARCH``. Compiled once per
+    kernel, argument types, constexprs and architecture (the launches of one width share
+    their alignment hints)."""
+    key = (name, tuple(arg_type(a) for a in args), tuple(sorted(kwargs.items())), arch)
+    if key not in _MEASURED:
+        compiled = compile_launch(name, args, dict(kwargs), arch)
+        _MEASURED[key] = ptxas_resources(compiled.asm["ptx"], arch, compiled.metadata.shared)
+    return _MEASURED[key]
+
+
+def grid(kernel: str, constexprs: dict, rows: int, sms: int, resident: int) -> int:
+    """Programs a launch over ``rows`` rows starts, by the ops' own grid rules: a kernel that
+    loops over rows into weight-gradient partials one wave of its ``resident`` programs per
+    SM (at least 16 rows each), any other one program per ROWS rows."""
+    if PARTIALS_ARG in getattr(triton_kernels, kernel).arg_names:
+        return backward_programs(rows, sms, resident)
     return math.ceil(rows / constexprs["ROWS"])
 
 
@@ -103,10 +101,9 @@ def measure(cases: list[Case], arches: list[int], rows: int, sms: int) -> list[d
         constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
         num_warps = kwargs["num_warps"]
         for arch in arches:
-            compiled = compile_launch(name, args, dict(kwargs), arch)
-            found = ptxas_resources(compiled.asm["ptx"], arch, compiled.metadata.shared)
+            found = launch_resources(name, args, kwargs, arch)
             resident = programs_per_sm(found, num_warps, arch)
-            programs = grid(name, constexprs, num_warps, rows, sms)
+            programs = grid(name, constexprs, rows, sms, resident)
             out.append({
                 "arch": arch, "kernel": name, "variant": _variant(name, constexprs),
                 "norm": case.norm, "dtype": "bf16" if case.dtype == torch.bfloat16 else "fp32",
@@ -134,11 +131,11 @@ def _tile(constexprs: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     header = ["sm", "kernel", "variant", "norm", "dtype", "hidden", "tile", "warps",
-              "regs", "spills st/ld B", "shared KiB", "programs/SM", "waves"]
+              "regs", "spills st/ld B", "shared KiB", "programs/SM", "grid", "waves"]
     body = [[str(r["arch"]), r["kernel"], r["variant"], r["norm"], r["dtype"], str(r["hidden"]),
              r["tile"], str(r["num_warps"]), str(r["registers"]),
              f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.1f}",
-             str(r["programs_per_sm"]), f"{r['waves']:.2f}"] for r in rows]
+             str(r["programs_per_sm"]), f"{r['grid']:,}", f"{r['waves']:.2f}"] for r in rows]
     return markdown_table(header, body, right_from=5)
 
 

@@ -1,5 +1,6 @@
-"""``bench.kernel_resources``: occupancy as the hardware allocates it (checked by hand), and
-every launch the model makes at the 1.3B width compiled for an H100 without a spill."""
+"""``bench.kernel_resources``: the grid of each launch as the ops size it (checked by hand), and
+every launch the model makes at the 1.3B width compiled for an H100 without a spill. The
+occupancy arithmetic itself is ``kernels.occupancy``'s (tests/kernels/test_occupancy.py)."""
 
 import json
 import os
@@ -8,26 +9,23 @@ import sys
 
 import pytest
 
-from bench.kernel_resources import Resources, programs_per_sm
+from bench.kernel_resources import grid
 from bench.triton_launches import KERNELS
 from tests.pretrain_fixtures import REPO
 
 
-@pytest.mark.parametrize("registers,warps,shared,arch,expected", [
-    # 128 x 32 = 4,096 registers a warp: 16 warps of the 64K file, two 8-warp programs
-    (128, 8, 0, 90, 2),
-    # 177 rounds to 184 a thread, 5,888 a warp: 11 warps, one 8-warp program
-    (177, 8, 0, 90, 1),
-    # 31 rounds to 32: 64 warps by registers, 8 programs of 8 warps (the warp limit too)
-    (31, 8, 0, 90, 8),
-    # 16 registers, 1 warp: 128 warps by registers, 64 by the warp limit, 32 programs at most
-    (16, 1, 0, 90, 32),
-    # 100 KiB of shared memory (+1 KiB reserved) a program: 2 of an H100's 228 KiB, 1 of 164
-    (32, 1, 100 * 1024, 90, 2),
-    (32, 1, 100 * 1024, 80, 1),
+@pytest.mark.parametrize("kernel,rows,resident,expected", [
+    # a backward kernel (weight-gradient partials) 2 per SM: one wave of 132 x 2 over 16,384
+    # rows (1,024 programs of 16 rows would be allowed)
+    ("norm_bwd", 16_384, 2, 264),
+    # one per SM: 132; over 1,000 rows: 63 programs of 16 rows at least (62.5 rounded up)
+    ("entry_bwd", 16_384, 1, 132),
+    ("qkv_norm_bwd", 1_000, 1, 63),
+    # a forward kernel: one program per tile of ROWS (2) rows, whatever its occupancy
+    ("norm_fwd", 16_384, 8, 8_192),
 ])
-def test_programs_per_sm_by_hand(registers, warps, shared, arch, expected):
-    assert programs_per_sm(Resources(registers, 0, 0, shared), warps, arch) == expected
+def test_grid_is_what_the_ops_launch(kernel, rows, resident, expected):
+    assert grid(kernel, {"ROWS": 2, "BLOCK": 1024}, rows, 132, resident) == expected
 
 
 @pytest.mark.slow  # compiles with Triton and ptxas in a process without the interpreter
