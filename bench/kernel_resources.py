@@ -108,6 +108,7 @@ def measure(cases: list[Case], arches: list[int], rows: int, sms: int) -> list[d
                 "arch": arch, "kernel": name, "variant": _variant(name, constexprs),
                 "norm": case.norm, "dtype": "bf16" if case.dtype == torch.bfloat16 else "fp32",
                 "hidden": case.hidden, "tile": _tile(constexprs), "num_warps": num_warps,
+                "constexprs": constexprs,
                 **found._asdict(),
                 "programs_per_sm": resident, "grid": programs,
                 "waves": programs / (resident * sms),
