@@ -5,8 +5,9 @@ The backward kernels run a fixed grid of programs, each looping over a contiguou
 rows and writing one fp32 weight-gradient partial, summed afterwards. Their grid is best one
 wave: as many programs as the GPU holds at once, no more. How many an SM holds is a property
 of the compiled kernel (registers per thread, shared memory per program, warps per program),
-and it varies widely: the same kernel needs 80 registers a thread in one variant and 255 in
-another, so a fixed guess of warps per SM either leaves SMs half empty or adds a tail wave.
+and it varies widely: the plain norm's backward needs 80 registers a thread at one hidden size
+and 254 at another, so a fixed guess of warps per SM either leaves SMs half empty or adds a
+tail wave.
 The grid is therefore sized from the kernel Triton compiles for the launch, by the rules the
 hardware allocates registers, warps and shared memory with.
 
@@ -123,7 +124,7 @@ def compiled_programs_per_sm(compiled: Any, props: Any) -> int:
     and shared memory come from its own metadata, as Triton compiled it."""
     metadata = compiled.metadata
     return resident_per_sm(compiled.n_regs, metadata.shared, metadata.num_warps,
-                    device_limits(props))
+                           device_limits(props))
 
 
 def _index(device: torch.device) -> int:
