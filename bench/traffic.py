@@ -17,7 +17,8 @@ Triton norm kernels never run: ``bench.triton_launches.kernels_replaced`` turns 
 a call to the counter, which counts the tensor arguments the kernel loads (read) and stores
 (written) under that launch's constexprs (``bench.traffic_count.KERNEL_ROLES``; a pointer passed
 only as a placeholder for an absent input counts nothing), and backward launches get the grid
-an H100 would (``--sms`` SMs), so the fp32 weight-gradient partials have their GPU size. Torch
+an H100 would (``--sms`` SMs, each kernel's residency compiled and measured by
+``bench.kernel_resources``), so the fp32 weight-gradient partials have their GPU size. Torch
 ops around the kernels (partial sums, casts) are counted by the dispatch mode.
 
 One layer is the difference between a model of ``--layers + 1`` layers and one of ``--layers``
@@ -43,7 +44,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -75,8 +79,35 @@ def _fake_parameters(model: torch.nn.Module, device: torch.device) -> None:
             setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
 
 
+def gpu_grid(model_config, sms: int) -> Callable[[str, int, dict], int]:
+    """The backward grid a GPU of ``sms`` SMs (sm_90) launches for each kernel of a model of
+    this width, dtype bf16 and norm: each launch's programs per SM measured by
+    ``bench.kernel_resources`` (compiled in a process without the interpreter), then the
+    ops' one-wave rule (``kernels.occupancy.backward_programs``)."""
+    from kernels.occupancy import backward_programs
+
+    is_rms = model_config.normalization.lower() == "rmsnorm"
+    norm = "rmsnorm" if is_rms else "layernorm+bias" if model_config.norm_bias else "layernorm"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "bench.kernel_resources", "--hidden",
+         str(model_config.hidden_size), "--dtype", "bf16", "--norm", norm, "--json"],
+        env=env, capture_output=True, text=True, check=True)
+    resident = {(r["kernel"], r["num_warps"], tuple(sorted(r["constexprs"].items()))):
+                r["programs_per_sm"] for r in json.loads(done.stdout.strip().splitlines()[-1])}
+
+    def grid(kernel: str, n_rows: int, constexprs: dict) -> int:
+        flags = {k: v for k, v in constexprs.items() if k not in ("num_warps", "num_stages")}
+        key = (kernel, constexprs["num_warps"], tuple(sorted(flags.items())))
+        if key not in resident:
+            raise KeyError(f"{kernel} {flags}: a launch bench.triton_launches does not make")
+        return backward_programs(n_rows, sms, resident[key])
+
+    return grid
+
+
 def count_model(model_config, backend: str, batch: int, seq: int, dtype: torch.dtype,
-                sms: int) -> TrafficMode:
+                grid: Callable | None) -> TrafficMode:
     """One forward and backward of the loss of ``model_config`` at batch x seq tokens, counted
     (see the module docstring). Needs megatron's parallel state (one rank)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -88,7 +119,7 @@ def count_model(model_config, backend: str, batch: int, seq: int, dtype: torch.d
 
     with torch.device("meta"):
         [model] = build_model(model_config, ParallelConfig(), dtype, backend, seed=0)
-    mode, fake = TrafficMode(sms), FakeTensorMode(allow_non_fake_inputs=True)
+    mode, fake = TrafficMode(grid), FakeTensorMode(allow_non_fake_inputs=True)
     where = devices.compute_device()
     native_gqa, SDPAttention.native_gqa = SDPAttention.native_gqa, True
     try:
@@ -107,12 +138,13 @@ def count_model(model_config, backend: str, batch: int, seq: int, dtype: torch.d
 
 
 def layer_traffic(model_config, backend: str, batch: int, seq: int,
-                  dtype: torch.dtype = torch.bfloat16, layers: int = 2, sms: int = 132
-                  ) -> dict[tuple, int]:
+                  dtype: torch.dtype = torch.bfloat16, layers: int = 2,
+                  grid: Callable | None = None) -> dict[tuple, int]:
     """Bytes one layer of ``model_config`` moves outside the matmuls, per (phase, op, line,
-    via): a model of ``layers + 1`` layers minus one of ``layers``."""
+    via): a model of ``layers + 1`` layers minus one of ``layers``; backward partials at
+    ``grid``'s size (:func:`gpu_grid`), else at this machine's."""
     counted = [count_model(dataclasses.replace(model_config, num_layers=n), backend, batch, seq,
-                           dtype, sms).totals() for n in (layers, layers + 1)]
+                           dtype, grid).totals() for n in (layers, layers + 1)]
     diff = {k: counted[1].get(k, 0) - counted[0].get(k, 0) for k in counted[0] | counted[1]}
     return {k: v for k, v in diff.items() if v}
 
@@ -142,7 +174,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--detail", default=",".join(DETAIL),
                    help="schemes whose ops and lines are listed")
     p.add_argument("--layers", type=int, default=2, help="the smaller model's layers")
-    p.add_argument("--sms", type=int, default=132, help="SMs the backward grids are sized for")
+    p.add_argument("--sms", type=int, default=132, help="SMs the backward grids are sized for (0: this machine's grid, no "
+                   "compile)")
     return p.parse_args(argv)
 
 
@@ -228,9 +261,10 @@ def run(args, print_fn: Callable[[str], None] = print) -> dict[str, dict[str, di
              f"layer = {args.layers + 1} layers minus {args.layers}; 1 pass = "
              f"{pass_bytes / MIB:,.0f} MiB")
     out = {}
+    grid = gpu_grid(model, args.sms) if args.sms and "triton" in args.backend else None
     for backend in args.backend.split(","):
         results = {s: layer_traffic(dataclasses.replace(model, residual_scheme=s), backend,
-                                    batch, seq, layers=args.layers, sms=args.sms)
+                                    batch, seq, layers=args.layers, grid=grid)
                    for s in schemes}
         out[backend] = results
         print_fn(f"\nnorms: {backend}\n")

@@ -32,23 +32,24 @@ WRITE_ONLY = frozenset({"fill_", "zero_", "normal_", "uniform_", "random_", "ber
                         "exponential_"})
 
 # What each Triton kernel loads and stores: "argument r|w [CONSTEXPR ...]", where the
-# constexprs listed must all be true for the kernel to touch the argument (the ops pass some
-# tensor as a placeholder for an absent input or output). Held to the kernels' signatures by
+# constexprs listed must all be true (a "!" before one: false) for the kernel to touch the
+# argument (the ops pass some tensor as a placeholder for an absent input or output). Held to the kernels' signatures by
 # tests/bench/test_traffic.py.
 KERNEL_ROLES = {
     "norm_fwd": ("x_ptr r", "r_ptr r HAS_RESIDUAL", "w_ptr r", "b_ptr r HAS_BIAS",
                  "out_ptr w", "stats_ptr w"),
     "norm_bwd": ("x_ptr r", "r_ptr r HAS_RESIDUAL", "w_ptr r", "stats_ptr r", "g_ptr r",
                  "dx_ptr w", "dr_ptr w HAS_RESIDUAL", "dw_ptr w"),
-    "entry_fwd": ("x_ptr r", "y_ptr r", "r_ptr r UPDATE", "wa_ptr r", "ba_ptr r HAS_BIAS",
+    "entry_fwd": ("x_ptr r", "y_ptr r", "r_ptr r UPDATE", "wa_ptr r", "ba_ptr r HAS_BIAS !GATE",
                   "wb_ptr r", "bb_ptr r HAS_BIAS", "wc_ptr r HAS_C", "bc_ptr r HAS_C HAS_BIAS",
                   "a_out_ptr w STORE_A", "y_out_ptr w UPDATE", "s_out_ptr w", "stats_ptr w"),
-    "entry_bwd": ("x_ptr r", "y_ptr r", "r_ptr r UPDATE", "wa_ptr r", "ba_ptr r HAS_C HAS_BIAS",
-                  "wb_ptr r", "bb_ptr r HAS_C HAS_BIAS", "wc_ptr r",
-                  "wu_ptr r RECOMPUTE_U", "bu_ptr r RECOMPUTE_U HAS_BIAS", "stats_ptr r",
-                  "ga_ptr r STORE_A", "gy_ptr r UPDATE", "gs_ptr r", "dx_ptr w", "dy_ptr w",
-                  "dr_ptr w UPDATE", "dw_ptr w"),
+    "entry_bwd": ("x_ptr r", "y_ptr r", "r_ptr r UPDATE", "wa_ptr r",
+                  "ba_ptr r HAS_C HAS_BIAS !GATE", "wb_ptr r", "bb_ptr r HAS_C HAS_BIAS",
+                  "wc_ptr r HAS_C", "wu_ptr r RECOMPUTE_U", "bu_ptr r RECOMPUTE_U HAS_BIAS",
+                  "stats_ptr r", "ga_ptr r STORE_A", "gy_ptr r HAS_GY", "gx_ptr r HAS_GX",
+                  "gs_ptr r", "dx_ptr w", "dy_ptr w", "dr_ptr w UPDATE", "dw_ptr w"),
     "dual_update_fwd": ("u_ptr r", "y_ptr r", "r_ptr r", "ox_ptr w", "oy_ptr w"),
+    "dual_update_bwd": ("gx_ptr r", "gy_ptr r", "dr_ptr w"),
     "qkv_norm_fwd": ("mixed_ptr r", "wq_ptr r", "wk_ptr r", "wv_ptr r", "bq_ptr r HAS_BIAS",
                      "bk_ptr r HAS_BIAS", "bv_ptr r HAS_BIAS", "q_ptr w", "k_ptr w", "v_ptr w",
                      "stats_ptr w"),
@@ -94,7 +95,8 @@ def kernel_bytes(name: str, arg_names: list[str], args: tuple, constexprs: dict,
     counts = {"r": 0, "w": 0}
     for role in KERNEL_ROLES[name]:
         arg, mode, *needs = role.split()
-        if all(constexprs[flag] for flag in needs):
+        if all(not constexprs[flag[1:]] if flag.startswith("!") else constexprs[flag]
+               for flag in needs):
             counts[mode] += size(values[arg])
     return counts["r"], counts["w"]
 
@@ -117,14 +119,14 @@ class TrafficMode(TorchDispatchMode):
     """Counts bytes per (phase, op, source line, model line) for every aten op it sees and
     every Triton launch given to :meth:`launch`. Set ``phase`` before each pass.
 
-    With ``sms``, a backward launch's fp32 weight-gradient partials (one row of slots per
-    program) count at the size the grid of a GPU with that many SMs gives them
-    (``kernels.triton_ops.backward_programs``), in the launch and in the torch ops that read
+    With ``grid``, a backward launch's fp32 weight-gradient partials (one row of slots per
+    program) count at the size ``grid(kernel, n_rows, constexprs)`` programs give them (the
+    grid a GPU would launch: ``bench.traffic``), in the launch and in the torch ops that read
     them, whatever grid this machine gave them."""
 
-    def __init__(self, sms: int | None = None):
+    def __init__(self, grid: Callable[[str, int, dict], int] | None = None):
         super().__init__()
-        self.sms = sms
+        self.grid = grid
         self._resized: dict[int, tuple[torch.Tensor, float]] = {}
         self.phase = "forward"
         self.counts: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -152,10 +154,8 @@ class TrafficMode(TorchDispatchMode):
     def launch(self, name: str, arg_names: list[str], args: tuple, constexprs: dict) -> None:
         values = dict(zip(arg_names, args, strict=False))
         partials = values.get("dw_ptr")
-        if self.sms is not None and partials is not None and partials.shape[0]:
-            from kernels.triton_ops import backward_programs
-
-            programs = backward_programs(values["n_rows"], self.sms, constexprs["num_warps"])
+        if self.grid is not None and partials is not None and partials.shape[0]:
+            programs = self.grid(name, values["n_rows"], constexprs)
             self._resized[id(partials)] = (partials, programs / partials.shape[0])
         self.add(f"triton.{name}", *kernel_bytes(name, arg_names, args, constexprs, self.size))
 

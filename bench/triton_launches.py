@@ -26,7 +26,7 @@ from model import streams
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 KERNELS = ("norm_fwd", "norm_bwd", "entry_fwd", "entry_bwd", "dual_update_fwd",
-           "qkv_norm_fwd", "qkv_norm_bwd")
+           "dual_update_bwd", "qkv_norm_fwd", "qkv_norm_bwd")
 
 
 class Case(NamedTuple):
@@ -106,25 +106,31 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool, hidden: int) -> N
     def t(*shape):
         return torch.ones(*shape, dtype=dtype, requires_grad=True)
 
-    x, y, r = t(2, hidden), t(2, hidden), t(2, hidden)
+    x, y, r, packed = t(2, hidden), t(2, hidden), t(2, hidden), t(2, 2 * hidden)
     w = [t(hidden) for _ in range(3)]
     b = [t(hidden) for _ in range(3)] if has_bias else [None] * 3
-    eps = 1e-5
+    params = [w[0], b[0], w[1], b[1], w[2], b[2]]
+    entry, Entry, eps = triton_ops.EntryFunction.apply, triton_ops.Entry, 1e-5
     outputs = [
         triton_ops.norm(x, w[0], b[0], eps, is_rms),
         triton_ops.add_norm(x, r, 2.5, w[0], b[0], eps, is_rms),  # Post-Norm, DeepNorm
-        # siamese entry (with and without the input norm), update+entry, and the merge
-        *triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
-                                        eps, is_rms, True)[::2],
-        *triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], None, None, 1.0,
-                                        eps, is_rms, True)[::2],
-        *triton_ops.EntryFunction.apply(x, y, r, w[0], b[0], w[1], b[1], w[2], b[2], 3.0,
-                                        eps, is_rms, True),
-        # the MLP entry of a SiameseNorm layer: u recomputed from the attention entry's x
-        *triton_ops.EntryFunction.apply(x, y, r, w[0], b[0], w[1], b[1], w[2], b[2], 3.0,
-                                        eps, is_rms, True, x, w[2], b[2]),
-        triton_ops.EntryFunction.apply(x, y, None, w[0], b[0], w[1], b[1], w[2], b[2], 1.0,
-                                       eps, is_rms, False)[2],
+        # siamese entry from the packed input and block 0's (each with and without the input
+        # norm), update+entry, the MLP entry recomputing u, siamese_hybrid's gated entry
+        # (packed, block 0) and the merge
+        *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None,
+               *params),
+        *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None,
+               *params[:4], None, None),
+        *entry(Entry(eps, is_rms), None, None, x, y, None, *params),
+        *entry(Entry(eps, is_rms), None, None, x, y, None, *params[:4], None, None),
+        *entry(Entry(eps, is_rms, scale=3.0), None, None, x, y, r, *params),
+        *entry(Entry(eps, is_rms, scale=3.0), None, None, x, y, r, *params, x, w[2], b[2]),
+        *entry(Entry(eps, is_rms, store_a=False, gate=True, pass_x=True, pass_y=True),
+               streams.unpack, packed, None, None, None, w[0], None, *params[2:4], None, None),
+        *entry(Entry(eps, is_rms, store_a=False, gate=True), None, None, x, y, None,
+               w[0], None, *params[2:4], None, None),
+        entry(Entry(eps, is_rms, store_a=False), streams.unpack, packed, None, None, None,
+              *params)[3],
     ]
     # QKV-norm attention at the 1.3B shape: 32 heads / 8 K/V groups, head_dim 64
     mixed = t(2, 1, 8, (4 + 2) * 64)

@@ -1,15 +1,22 @@
 """Three norms of one SiameseNorm step computed in one Triton pass.
 
 A sublayer's entry reads x and y and writes u = Na(x) and s = Nc(Na(x) + Nb(y)); the final merge
-is the same pass without storing u. :func:`fuse` decides, when a model is built, whether a
-given trio of norm modules can run as one kernel: all three :class:`~kernels.norms.Norm`
-modules of one kind, eps and bias presence built for triton (Nc may be an identity: the
-input-norm ablation). The kernels read the modules' own parameters, so gradients land on the
-same tensors as in the unfused composition, and checkpoints and sequence-parallel reductions do
-not depend on it.
+is the same pass without storing u; siamese_hybrid's attention entry is the pass with a
+per-channel gate in place of Na and no Nc. :func:`fuse` and :func:`fuse_gate` decide, when a
+model is built, whether given modules can run as one kernel: norms all
+:class:`~kernels.norms.Norm` modules of one kind, eps and bias presence built for triton (Nc
+may be an identity: the input-norm ablation). The kernels read the modules' own parameters, so
+gradients land on the same tensors as in the unfused composition, and checkpoints and
+sequence-parallel reductions do not depend on it.
+
+Where the streams arrive packed ([s, b, 2h], the layer input), the ``*_packed`` entries take
+that tensor whole: backward then writes the packed gradient directly, and the streams a later
+op of the layer reads again come back as outputs whose gradients the kernel adds in.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
@@ -17,48 +24,69 @@ from megatron.core.transformer.identity_op import IdentityOp
 from kernels.backend import NormBackend
 from kernels.norms import Norm
 
+Halves = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class FusedNorms:
-    """Na, Nb, Nc bound to the fused kernels (see :func:`fuse`)."""
+    """Na, Nb, Nc bound to the fused kernels (see :func:`fuse`). ``gate``: Na is a module
+    with a per-channel ``weight`` g and no bias, computing x * g (see :func:`fuse_gate`)."""
 
-    def __init__(self, a: Norm, b: Norm, c: Norm | None):
+    def __init__(self, a, b: Norm, c: Norm | None, gate: bool = False):
         from kernels import triton_ops
 
         self._ops = triton_ops
         self._norms = (a, b, c)
-        self._eps, self._is_rms = a.eps, a.is_rms
+        self._eps, self._is_rms, self._gate = b.eps, b.is_rms, gate
+
+    def _kind(self, **flags):
+        return self._ops.Entry(self._eps, self._is_rms, gate=self._gate, **flags)
 
     def _params(self) -> list[torch.Tensor | None]:
         params = []
         for norm in self._norms:
-            params += [None, None] if norm is None else [norm.weight, norm.bias]
+            params += [None, None] if norm is None else [norm.weight, getattr(norm, "bias", None)]
         return params
 
+    def _apply(self, kind, halves, packed, x, y, r=None, *recompute):
+        return self._ops.EntryFunction.apply(kind, halves, packed, x, y, r, *self._params(),
+                                             *recompute)
+
     def entry(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(u, s) with u = Na(x), s = Nc(u + Nb(y))."""
-        u, _, s = self._ops.EntryFunction.apply(
-            x, y, None, *self._params(), 1.0, self._eps, self._is_rms, True)
+        """(u, s) with u = Na(x), s = Nc(u + Nb(y)) (with a gate, u is None)."""
+        u, _, _, s = self._apply(self._kind(store_a=not self._gate), None, None, x, y)
         return u, s
+
+    def entry_packed(self, packed: torch.Tensor, halves: Halves):
+        """(u, x, y, s) of the streams ``halves(packed)``: u = Na(x) (None with a gate) and s as
+        :meth:`entry`; y, and with a gate x, returned for the layer to read again (x is None
+        without a gate: the norms' u stands for it)."""
+        kind = self._kind(store_a=not self._gate, pass_x=self._gate, pass_y=True)
+        u, y, x, s = self._apply(kind, halves, packed, None, None)
+        return u, x, y, s
 
     def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float,
                      u_from: tuple[torch.Tensor, Norm] | None = None):
         """(u', y', s): x = u + r / scale, y' = y + r, then u' = Na(x), s = Nc(u' + Nb(y')).
         ``u_from`` = (x0, norm) with u = norm(x0): backward keeps x0 (and recomputes u) rather
         than u; ``norm`` must compute like these norms (:meth:`computes_like`)."""
-        x0, norm = u_from if u_from is not None else (None, None)
-        return self._ops.EntryFunction.apply(
-            u, y, r, *self._params(), scale, self._eps, self._is_rms, True, x0,
-            None if norm is None else norm.weight, None if norm is None else norm.bias)
+        recompute = ()
+        if u_from is not None:
+            x0, norm = u_from
+            recompute = (x0.detach(), norm.weight, norm.bias)
+        u, y, _, s = self._apply(self._kind(scale=scale), None, None, u, y, r, *recompute)
+        return u, y, s
 
     def computes_like(self, norm) -> bool:
         """Whether ``norm`` is a Norm of the same kind, eps and bias presence as these."""
-        return isinstance(norm, Norm) and _kind(norm) == _kind(self._norms[0])
+        return isinstance(norm, Norm) and _kind(norm) == _kind(self._norms[1])
 
     def merge(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Nc(Na(x) + Nb(y)), without storing Na(x)."""
-        _, _, s = self._ops.EntryFunction.apply(
-            x, y, None, *self._params(), 1.0, self._eps, self._is_rms, False)
-        return s
+        return self._apply(self._kind(store_a=False), None, None, x, y)[3]
+
+    def merge_packed(self, packed: torch.Tensor, halves: Halves) -> torch.Tensor:
+        """:meth:`merge` of the streams ``halves(packed)``, its gradient written packed."""
+        return self._apply(self._kind(store_a=False), halves, packed, None, None)[3]
 
 
 def fuse(backend: NormBackend, a, b, c) -> FusedNorms | None:
@@ -75,6 +103,14 @@ def fuse(backend: NormBackend, a, b, c) -> FusedNorms | None:
     if len({_kind(n) for n in norms}) != 1:
         return None
     return FusedNorms(a, b, c)
+
+
+def fuse_gate(backend: NormBackend, gate: torch.nn.Module, b) -> FusedNorms | None:
+    """The fused form of ``x * gate.weight + b(y)`` (a per-channel gate, computed in fp32
+    whatever the weight's dtype, and a norm) under ``backend``, or None (as :func:`fuse`)."""
+    if backend is not NormBackend.TRITON or not isinstance(b, Norm):
+        return None
+    return FusedNorms(gate, b, None, gate=True)
 
 
 def _kind(norm: Norm) -> tuple[float, bool, bool]:

@@ -131,8 +131,10 @@ def entry_fwd(
     a_out_ptr, y_out_ptr, s_out_ptr, stats_ptr,
     n_rows, n_cols, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_C: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_C: tl.constexpr, GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    """With ``GATE``, Na is no norm but a per-channel gate, a = x * wa (no statistics, no
+    bias): siamese_hybrid's attention entry a = x g + Npre(y)."""
     rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -145,15 +147,22 @@ def entry_fwd(
         y = _add_branch(y, r, 1.0)
         _store(y_out_ptr, n_cols, rows, cols, mask, y)
 
-    x_hat, mean, rstd = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
-    _save_stats(stats_ptr, rows, row_mask, 6, 0, mean, rstd, IS_RMS)
-    a = _affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS)
+    if GATE:  # rounded to the stream's dtype, as x * g is in the unfused layer
+        a = (x.to(tl.float32) * tl.load(wa_ptr + cols, mask=col_mask, other=0.0).to(
+            tl.float32)[None, :]).to(x.dtype).to(tl.float32)
+    else:
+        x_hat, mean, rstd = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
+        _save_stats(stats_ptr, rows, row_mask, 6, 0, mean, rstd, IS_RMS)
+        a = _affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS)
     if STORE_A:
         _store(a_out_ptr, n_cols, rows, cols, mask, a)
 
     y_hat, mean, rstd = _normalize(y.to(tl.float32), mask, n_cols, eps, IS_RMS)
     _save_stats(stats_ptr, rows, row_mask, 6, 1, mean, rstd, IS_RMS)
-    z = a + _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS)
+    b = _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS)
+    if GATE:  # the gate's sum is of two values of the stream's dtype, as in the unfused layer
+        b = b.to(x.dtype).to(tl.float32)
+    z = a + b
 
     if HAS_C:
         z_hat, mean, rstd = _normalize(z, mask, n_cols, eps, IS_RMS)
@@ -171,34 +180,49 @@ def _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: t
 
 
 @triton.jit
+def _weight(w_ptr, cols, col_mask):
+    """A norm weight as an fp32 [1, BLOCK] row. Backward kernels load it where it is used, once
+    per tile (a cache hit after the first), rather than holding it in registers across the
+    row loop: at hidden 8192 each weight held would cost 32 registers a thread."""
+    return tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _store_partial(dw_ptr, slot: tl.constexpr, n_cols, cols, col_mask, acc):
+    tl.store(dw_ptr + slot * n_cols + cols, acc, mask=col_mask)
+
+
+@triton.jit
 def entry_bwd(
     x_ptr, y_ptr, r_ptr, x_stride, y_stride, r_stride,
     wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, wu_ptr, bu_ptr, stats_ptr,
-    ga_ptr, gy_ptr, gs_ptr,
-    dx_ptr, dy_ptr, dr_ptr, dw_ptr,
+    ga_ptr, gy_ptr, gx_ptr, gs_ptr, ga_stride, gy_stride, gx_stride, gs_stride,
+    dx_ptr, dy_ptr, dr_ptr, dx_stride, dy_stride, dw_ptr,
     n_rows, n_cols, rows_per_program, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, GATE: tl.constexpr, HAS_GX: tl.constexpr,
+    HAS_GY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Gradients of :func:`entry_fwd`. ``ga``/``gy``/``gs`` are the (contiguous) gradients of
-    the outputs a, y_out and s; ``dw`` receives this program's partial sums for
-    (wa, ba, wb, bb, wc, bc), each ``n_cols`` long. With UPDATE, ``y_ptr`` is the old y and
-    ``x_ptr`` u (or, with RECOMPUTE_U, the previous entry's input, u = Npost(x) by the weights
-    ``wu``/``bu``); both updated streams are recomputed with r. dx is the gradient of u, dy that
-    of the old y and dr = dx / c + dy that of the branch output r."""
+    """Gradients of :func:`entry_fwd`. ``gs``/``ga`` are the gradients of the outputs s and a,
+    ``gy`` (``HAS_GY``) one added to y's: that of y_out with UPDATE, else that of y itself
+    where the caller reuses y; ``gx`` (``HAS_GX``) one added to x's. Every gradient is read
+    and dx, dy written with their own row strides, so they may be halves of packed tensors.
+    With UPDATE, ``y_ptr`` is the old y and ``x_ptr`` u (or, with RECOMPUTE_U, the previous
+    entry's input, u = Npost(x) by the weights ``wu``/``bu``); both updated streams are
+    recomputed with r; dx is the gradient of u, dy that of the old y and dr = dx / c + dy that
+    of the branch output r. ``dw`` receives this program's partial sums of the weight
+    gradients (wa, wb, wc), then with HAS_BIAS the bias gradients (ba, bb, bc), each
+    ``n_cols`` long: RMSNorm keeps three accumulators, not six."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
-    wa = tl.load(wa_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    wb = tl.load(wb_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    # wa when there is no Nc
-    wc = tl.load(wc_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     acc_wa = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_ba = tl.zeros([BLOCK], dtype=tl.float32)
     acc_wb = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_bb = tl.zeros([BLOCK], dtype=tl.float32)
     acc_wc = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_bc = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_BIAS:
+        acc_ba = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_bb = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_bc = tl.zeros([BLOCK], dtype=tl.float32)
 
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
@@ -214,40 +238,54 @@ def entry_bwd(
             r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
             x = _add_branch(x, r, scale)
             y = _add_branch(y, r, 1.0)
-        x_hat, rstd_a = _reload_hat(x.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 0,
-                                    IS_RMS)
+        if GATE:
+            x_hat = x.to(tl.float32)  # a = x wa: wa's gradient is sum(g_a x), as a norm's
+        else:
+            x_hat, rstd_a = _reload_hat(x.to(tl.float32), mask, stats_ptr, rows, row_mask, 6,
+                                        0, IS_RMS)
         y_hat, rstd_b = _reload_hat(y.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 1,
                                     IS_RMS)
-        g_z = _load(gs_ptr, n_cols, rows, cols, mask).to(tl.float32)
+        g_z = _load(gs_ptr, gs_stride, rows, cols, mask).to(tl.float32)
         if HAS_C:
-            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS)
+            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS and not GATE)
                  + _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS))
             z_hat, rstd_c = _reload_hat(z, mask, stats_ptr, rows, row_mask, 6, 2, IS_RMS)
             acc_wc += tl.sum(g_z * z_hat, axis=0)
-            acc_bc += tl.sum(g_z, axis=0)
-            g_z = _input_grad(g_z * wc, z_hat, rstd_c, n_cols, IS_RMS)
+            if HAS_BIAS:
+                acc_bc += tl.sum(g_z, axis=0)
+            g_z = _input_grad(g_z * _weight(wc_ptr, cols, col_mask), z_hat, rstd_c, n_cols,
+                              IS_RMS)
         g_a = g_z
         if STORE_A:
-            g_a += _load(ga_ptr, n_cols, rows, cols, mask).to(tl.float32)
+            g_a += _load(ga_ptr, ga_stride, rows, cols, mask).to(tl.float32)
         acc_wa += tl.sum(g_a * x_hat, axis=0)
-        acc_ba += tl.sum(g_a, axis=0)
         acc_wb += tl.sum(g_z * y_hat, axis=0)
-        acc_bb += tl.sum(g_z, axis=0)
-        dx = _input_grad(g_a * wa, x_hat, rstd_a, n_cols, IS_RMS)
-        dy = _input_grad(g_z * wb, y_hat, rstd_b, n_cols, IS_RMS)
+        if HAS_BIAS:
+            acc_ba += tl.sum(g_a, axis=0)
+            acc_bb += tl.sum(g_z, axis=0)
+        if GATE:
+            dx = g_a * _weight(wa_ptr, cols, col_mask)
+        else:
+            dx = _input_grad(g_a * _weight(wa_ptr, cols, col_mask), x_hat, rstd_a, n_cols,
+                             IS_RMS)
+        if HAS_GX:
+            dx += _load(gx_ptr, gx_stride, rows, cols, mask).to(tl.float32)
+        dy = _input_grad(g_z * _weight(wb_ptr, cols, col_mask), y_hat, rstd_b, n_cols, IS_RMS)
+        if HAS_GY:
+            dy += _load(gy_ptr, gy_stride, rows, cols, mask).to(tl.float32)
         if UPDATE:
-            dy += _load(gy_ptr, n_cols, rows, cols, mask).to(tl.float32)
             _store(dr_ptr, n_cols, rows, cols, mask, dx / scale + dy)
-        _store(dx_ptr, n_cols, rows, cols, mask, dx)
-        _store(dy_ptr, n_cols, rows, cols, mask, dy)
+        _store(dx_ptr, dx_stride, rows, cols, mask, dx)
+        _store(dy_ptr, dy_stride, rows, cols, mask, dy)
 
-    partial = dw_ptr + pid.to(tl.int64) * 6 * n_cols + cols
-    tl.store(partial + 0 * n_cols, acc_wa, mask=col_mask)
-    tl.store(partial + 1 * n_cols, acc_ba, mask=col_mask)
-    tl.store(partial + 2 * n_cols, acc_wb, mask=col_mask)
-    tl.store(partial + 3 * n_cols, acc_bb, mask=col_mask)
-    tl.store(partial + 4 * n_cols, acc_wc, mask=col_mask)
-    tl.store(partial + 5 * n_cols, acc_bc, mask=col_mask)
+    partial = dw_ptr + pid.to(tl.int64) * (6 if HAS_BIAS else 3) * n_cols
+    _store_partial(partial, 0, n_cols, cols, col_mask, acc_wa)
+    _store_partial(partial, 1, n_cols, cols, col_mask, acc_wb)
+    _store_partial(partial, 2, n_cols, cols, col_mask, acc_wc)
+    if HAS_BIAS:
+        _store_partial(partial, 3, n_cols, cols, col_mask, acc_ba)
+        _store_partial(partial, 4, n_cols, cols, col_mask, acc_bb)
+        _store_partial(partial, 5, n_cols, cols, col_mask, acc_bc)
 
 
 @triton.jit
@@ -264,6 +302,21 @@ def dual_update_fwd(
     y = _load(y_ptr, y_stride, rows, cols, mask).to(tl.float32)
     _store(ox_ptr, out_stride, rows, cols, mask, u + r / scale)
     _store(oy_ptr, out_stride, rows, cols, mask, y + r)
+
+
+@triton.jit
+def dual_update_bwd(
+    gx_ptr, gy_ptr, g_stride, dr_ptr, n_rows, n_cols, scale,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dr = gx / c + gy, the branch output's gradient, read from the two strided halves of the
+    packed gradient (u's and y's gradients are those halves themselves)."""
+    rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    gx = _load(gx_ptr, g_stride, rows, cols, mask).to(tl.float32)
+    gy = _load(gy_ptr, g_stride, rows, cols, mask).to(tl.float32)
+    _store(dr_ptr, n_cols, rows, cols, mask, gx / scale + gy)
 
 
 @triton.jit
@@ -297,18 +350,20 @@ def norm_fwd(
 
 @triton.jit
 def norm_bwd(
-    x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, stats_ptr, g_ptr, dx_ptr, dr_ptr, dw_ptr,
-    n_rows, n_cols, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, x_stride, r_ptr, r_stride, alpha, w_ptr, stats_ptr, g_ptr, g_stride, dx_ptr, dr_ptr,
+    dw_ptr, n_rows, n_cols, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`norm_fwd` (the sum recomputed from x and r); ``dw`` gets this
-    program's partial (w, b) sums. With a residual, dr = dN and dx = alpha dN."""
+    program's partial w sums, then with HAS_BIAS its b sums. With a residual, dr = dN and
+    dx = alpha dN."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     acc_w = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_BIAS:
+        acc_b = tl.zeros([BLOCK], dtype=tl.float32)
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
     for first in range(start, end, ROWS):
@@ -317,17 +372,19 @@ def norm_bwd(
         x = _norm_input(x_ptr, x_stride, r_ptr, r_stride, alpha, rows, cols, mask,
                         HAS_RESIDUAL)
         x_hat, rstd = _reload_hat(x, mask, stats_ptr, rows, row_mask, 2, 0, IS_RMS)
-        g = _load(g_ptr, n_cols, rows, cols, mask).to(tl.float32)
+        g = _load(g_ptr, g_stride, rows, cols, mask).to(tl.float32)
         acc_w += tl.sum(g * x_hat, axis=0)
-        acc_b += tl.sum(g, axis=0)
-        dx = _input_grad(g * w, x_hat, rstd, n_cols, IS_RMS)
+        if HAS_BIAS:
+            acc_b += tl.sum(g, axis=0)
+        dx = _input_grad(g * _weight(w_ptr, cols, col_mask), x_hat, rstd, n_cols, IS_RMS)
         if HAS_RESIDUAL:
             _store(dr_ptr, n_cols, rows, cols, mask, dx)
             dx = alpha * dx
         _store(dx_ptr, n_cols, rows, cols, mask, dx)
-    partial = dw_ptr + pid.to(tl.int64) * 2 * n_cols + cols
-    tl.store(partial, acc_w, mask=col_mask)
-    tl.store(partial + n_cols, acc_b, mask=col_mask)
+    partial = dw_ptr + pid.to(tl.int64) * (2 if HAS_BIAS else 1) * n_cols
+    _store_partial(partial, 0, n_cols, cols, col_mask, acc_w)
+    if HAS_BIAS:
+        _store_partial(partial, 1, n_cols, cols, col_mask, acc_b)
 
 
 @triton.jit
@@ -398,16 +455,19 @@ def qkv_norm_fwd(
 def qkv_norm_bwd(
     mixed_ptr, wq_ptr, wk_ptr, wv_ptr, stats_ptr, gq_ptr, gk_ptr, gv_ptr, dmixed_ptr, dw_ptr,
     n_rows, heads, head_dim, rows_per_program,
-    IS_RMS: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr, DIM: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr,
+    DIM: tl.constexpr,
 ):
     """Gradients of :func:`qkv_norm_fwd`: the packed projection's, and this program's partial
-    sums of the six weight/bias gradients (rows wq, wk, wv, bq, bk, bv of ``dw``)."""
+    sums of the weight gradients (rows wq, wk, wv of ``dw``), then with HAS_BIAS the bias
+    gradients (bq, bk, bv)."""
     pid = tl.program_id(0)
     j0 = (tl.arange(0, ROWS * HEADS) % HEADS)[:, None]
     c0 = tl.arange(0, DIM)[None, :]
     w = _head_weights(wq_ptr, wk_ptr, wv_ptr, j0, c0, heads, head_dim)
     acc_w = tl.zeros([ROWS * HEADS, DIM], dtype=tl.float32)
-    acc_b = tl.zeros([ROWS * HEADS, DIM], dtype=tl.float32)
+    if HAS_BIAS:
+        acc_b = tl.zeros([ROWS * HEADS, DIM], dtype=tl.float32)
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
     for first in range(start, end, ROWS):
@@ -428,7 +488,8 @@ def qkv_norm_bwd(
         g += tl.load(gv_ptr + row * head_dim + c, mask=(j == heads + 1) & in_dim,
                      other=0.0).to(tl.float32)
         acc_w += g * x_hat
-        acc_b += g
+        if HAS_BIAS:
+            acc_b += g
         g_hat = g * w
         dot = tl.sum(g_hat * x_hat, axis=1)[:, None] / head_dim
         if IS_RMS:
@@ -437,12 +498,21 @@ def qkv_norm_bwd(
             dx = (g_hat - tl.sum(g_hat, axis=1)[:, None] / head_dim - x_hat * dot) * rstd
         tl.store(dmixed_ptr + row * (heads + 2) * head_dim + j * head_dim + c,
                  dx.to(dmixed_ptr.dtype.element_ty), mask=mask)
-    partial = dw_ptr + pid.to(tl.int64) * 6 * head_dim + tl.arange(0, DIM)
-    cm = tl.arange(0, DIM) < head_dim
-    is_q, is_k, is_v = j0 < heads, j0 == heads, j0 == heads + 1
-    tl.store(partial, tl.sum(tl.where(is_q, acc_w, 0.0), axis=0), mask=cm)
-    tl.store(partial + head_dim, tl.sum(tl.where(is_k, acc_w, 0.0), axis=0), mask=cm)
-    tl.store(partial + 2 * head_dim, tl.sum(tl.where(is_v, acc_w, 0.0), axis=0), mask=cm)
-    tl.store(partial + 3 * head_dim, tl.sum(tl.where(is_q, acc_b, 0.0), axis=0), mask=cm)
-    tl.store(partial + 4 * head_dim, tl.sum(tl.where(is_k, acc_b, 0.0), axis=0), mask=cm)
-    tl.store(partial + 5 * head_dim, tl.sum(tl.where(is_v, acc_b, 0.0), axis=0), mask=cm)
+    partial = dw_ptr + pid.to(tl.int64) * (6 if HAS_BIAS else 3) * head_dim
+    _store_head_sums(partial, 0, acc_w, j0, heads, head_dim, DIM)
+    if HAS_BIAS:
+        _store_head_sums(partial, 3, acc_b, j0, heads, head_dim, DIM)
+
+
+@triton.jit
+def _store_head_sums(partial, first_slot: tl.constexpr, acc, j0, heads, head_dim,
+                     DIM: tl.constexpr):
+    """Slots ``first_slot`` .. + 2 of a Q/K/V backward partial: ``acc`` summed over the query
+    heads, the key head and the value head."""
+    cols = tl.arange(0, DIM)
+    cm = cols < head_dim
+    base = partial + first_slot * head_dim + cols
+    tl.store(base, tl.sum(tl.where(j0 < heads, acc, 0.0), axis=0), mask=cm)
+    tl.store(base + head_dim, tl.sum(tl.where(j0 == heads, acc, 0.0), axis=0), mask=cm)
+    tl.store(base + 2 * head_dim, tl.sum(tl.where(j0 == heads + 1, acc, 0.0), axis=0),
+             mask=cm)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 
+from kernels import occupancy
 from kernels import triton_kernels as kern
 
 
@@ -43,38 +45,64 @@ def _launch_args(n_cols: int, tile: int = FORWARD_TILE) -> dict:
     return {"BLOCK": block, "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), 8)}
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _programs(kernel: triton.JITFunction, n_rows: int, device: torch.device,
+              run: Callable[[Callable, torch.Tensor, int], object]) -> int:
+    """Programs of a backward launch of ``kernel`` over ``n_rows`` rows, which the op makes as
+    ``run(kernel[(programs,)], partials, rows_per_program)``: one wave of the kernel as Triton
+    compiles it for this launch on a GPU, a few in the interpreter
+    (:func:`kernels.occupancy.launch_programs`).
+
+    The grid comes first (it sizes the partials and the rows per program), so ``run`` gives
+    the launch's arguments with stand-ins for those two: an empty fp32 tensor and the 16-row
+    floor. Triton specialises pointers on 16-byte alignment and integers on being 1 or a
+    multiple of 16, so the stand-ins may pick a variant whose hints differ from the launch's;
+    the rows per program only bound the row loop and the partials take one store per slot,
+    so no register count that matters changes."""
+    stand_in = torch.empty(0, dtype=torch.float32, device=device)
+    args, kwargs = run(_arguments, stand_in, occupancy.MIN_ROWS_PER_PROGRAM)
+    return occupancy.launch_programs(kernel, n_rows, device, args, kwargs)
 
 
-def backward_programs(n_rows: int, sm_count: int, num_warps: int) -> int:
-    """Backward programs on a GPU of ``sm_count`` SMs, each looping over a contiguous block of
-    rows: enough to keep ~32 warps resident per SM (where registers allow), but at least 16
-    rows each, so the fp32 weight-gradient partials (programs x h each) stay small next to the
-    rows they sum."""
-    return max(1, min(triton.cdiv(n_rows, 16), max(1, 32 // num_warps) * sm_count))
-
-
-def _programs(n_rows: int, device: torch.device, num_warps: int) -> int:
-    """:func:`backward_programs` on this device; without CUDA (the interpreter) up to 4, so
-    tests see several partials."""
-    if device.type != "cuda":
-        return max(1, min(n_rows, 4))
-    return backward_programs(n_rows, _sm_count(device.index or 0), num_warps)
+def _arguments(*args, **kwargs) -> tuple[tuple, dict]:
+    """Stands in for a kernel launch: what it was given."""
+    return args, kwargs
 
 
 def weight_grad_partials(programs: int, slots: int, width: int,
                          device: torch.device) -> torch.Tensor:
     """fp32 weight-gradient partials of a backward launch: ``slots`` rows of ``width`` per
-    program launched. Not zero-filled: every program stores all its slots (its
-    accumulators, zero for a program that got no rows), so a fill would write them twice."""
+    program launched, one per gradient the launch computes (no bias slots without biases).
+    Not zero-filled: every program stores all its slots (its accumulators, zero for a program
+    that got no rows), so a fill would write them twice."""
     return torch.empty((programs, slots, width), dtype=torch.float32, device=device)
 
 
+def _backward(kernel: triton.JITFunction, n_rows: int, device: torch.device, slots: int,
+              width: int, run: Callable) -> torch.Tensor:
+    """Launches a row-looping backward ``kernel`` over ``n_rows`` rows as
+    ``run(kernel[grid], partials, rows_per_program)`` on a grid sized by :func:`_programs`,
+    and returns its weight-gradient partials (``slots`` x ``width`` per program; zeros when
+    there is no row, so no launch)."""
+    programs = _programs(kernel, n_rows, device, run)
+    partials = weight_grad_partials(programs, slots, width, device)
+    if not n_rows:
+        return partials.zero_()
+    run(kernel[(programs,)], partials, triton.cdiv(n_rows, programs))
+    return partials
+
+
 def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
+    """Each parameter's gradient from its slot of the partials (``params`` in slot order;
+    None where the launch has no such parameter, past the last slot too)."""
     sums = partials.sum(0)
     return [None if p is None else sums[i].to(p.dtype) for i, p in enumerate(params)]
+
+
+def _grad_rows(grad: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """An incoming gradient as rows the kernels read in place, strided or not (a half of a
+    packed gradient is); a copy only when its rows are not contiguous."""
+    rows = grad.reshape(-1, n_cols)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 class NormFunction(torch.autograd.Function):
@@ -104,42 +132,71 @@ class NormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         rows, res, weight, stats = ctx.saved_tensors
         n_rows, n_cols = rows.shape
-        grad = grad.contiguous()
+        g = _grad_rows(grad, n_cols)
         dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
         dr = torch.empty_like(dx) if ctx.has_residual else dx
         launch = _launch_args(n_cols, NORM_BACKWARD_TILE)
-        programs = _programs(n_rows, rows.device, launch["num_warps"])
-        partials = weight_grad_partials(programs, 2, n_cols, rows.device)
-        if n_rows:
-            kern.norm_bwd[(programs,)](
-                rows, rows.stride(0), res, res.stride(0), ctx.alpha, weight, stats, grad, dx,
-                dr, partials, n_rows, n_cols, triton.cdiv(n_rows, programs),
-                IS_RMS=ctx.is_rms, HAS_RESIDUAL=ctx.has_residual, **launch)
+
+        def run(kernel, partials, rows_per_program):
+            return kernel(
+                rows, rows.stride(0), res, res.stride(0), ctx.alpha, weight, stats, g,
+                g.stride(0), dx, dr, partials, n_rows, n_cols, rows_per_program,
+                IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, HAS_RESIDUAL=ctx.has_residual,
+                **launch)
+
+        partials = _backward(kern.norm_bwd, n_rows, rows.device, 1 + ctx.has_bias, n_cols, run)
         dw, db = _sum_partials(partials, [weight, weight if ctx.has_bias else None])
         dres = dr.view(grad.shape) if ctx.has_residual else None
         return dx.view(grad.shape), dres, None, dw, db, None, None
 
 
+class Entry(NamedTuple):
+    """What an :class:`EntryFunction` launch computes besides its tensors: fixed when a layer
+    is built, so it is one hashable argument.
+
+    ``scale``: c of the update (with a branch output r); ``store_a``: a = Na(x) is an
+    output; ``gate``: Na is a per-channel gate a = x * wa, not a norm (siamese_hybrid's
+    attention entry); ``pass_x`` / ``pass_y``: x / y are outputs too, for a later op of the
+    layer to read, so that their gradients come back into this function's backward and join
+    the stream gradients inside the kernel, not in autograd's sums."""
+
+    eps: float
+    is_rms: bool
+    scale: float = 1.0
+    store_a: bool = True
+    gate: bool = False
+    pass_x: bool = False
+    pass_y: bool = False
+
+
 class EntryFunction(torch.autograd.Function):
-    """(a, y_out, s) with a = Na(x), s = Nc(Na(x) + Nb(y)); see ``triton_kernels``.
+    """(a, y_out, x_out, s) with a = Na(x), s = Nc(Na(x) + Nb(y)); see ``triton_kernels``.
+
+    The streams are either one ``packed`` tensor whose two views ``halves(packed)`` are
+    (x, y), then x and y are None and backward writes the packed gradient in place (no
+    concatenation), or two tensors x and y (block 0, where both are the embedding).
 
     With ``r`` given, (x, y) first become (x + r / scale, y + r) and y_out is the new y;
-    otherwise y_out is None. ``a`` is None unless ``store_a``; ``wc`` None drops Nc. Biases are
-    None for RMSNorm and for LayerNorm without bias (all three norms alike: ``fuse``).
-    Backward of an update keeps x (here u), y and r, not the updated streams; ``u_from`` (the
-    input that gave u = Npost(u_from), whose norm has weight ``wu`` and bias ``bu``) keeps
-    that instead of u and recomputes u, for when u is not kept anyway and u_from is.
+    otherwise y_out is y itself where ``kind.pass_y`` (a view of ``packed``), else None;
+    x_out likewise with ``kind.pass_x``. ``a`` is None unless ``kind.store_a``; ``wc`` None
+    drops Nc. Biases are None for RMSNorm and for LayerNorm without bias (all norms alike:
+    ``fuse``; a gate has none). Backward of an update keeps x (here u), y and r, not the
+    updated streams; ``x0`` (the input that gave u = Npost(x0), whose norm has weight ``wu``
+    and bias ``bu``) keeps that instead of u and recomputes u, for when u is not kept anyway
+    and x0 is.
     """
 
     @staticmethod
-    def forward(ctx, x, y, r, wa, ba, wb, bb, wc, bc, scale: float, eps: float, is_rms: bool,
-                store_a: bool, u_from=None, wu=None, bu=None):
-        update, has_c = r is not None, wc is not None
+    def forward(ctx, kind: Entry, halves: Callable | None, packed, x, y, r,
+                wa, ba, wb, bb, wc, bc, x0=None, wu=None, bu=None):
+        if packed is not None:
+            x, y = halves(packed)
+        update, has_c, has_bias = r is not None, wc is not None, bb is not None
         xr, yr = _rows(x), _rows(y)
         rr = _rows(r) if update else xr
         n_rows, n_cols = xr.shape
         new = functools.partial(torch.empty, (n_rows, n_cols), device=x.device)
-        a = new(dtype=x.dtype) if store_a else None
+        a = new(dtype=x.dtype) if kind.store_a else None
         y_out = new(dtype=y.dtype) if update else None
         s = new(dtype=x.dtype)
         stats = torch.empty((n_rows, 6), dtype=torch.float32, device=x.device)
@@ -150,52 +207,73 @@ class EntryFunction(torch.autograd.Function):
                 wa, wa if ba is None else ba, wb, wb if bb is None else bb,
                 wa if wc is None else wc, wa if bc is None else bc,
                 s if a is None else a, s if y_out is None else y_out, s, stats,
-                n_rows, n_cols, float(scale), eps,
-                IS_RMS=is_rms, HAS_BIAS=ba is not None, UPDATE=update, STORE_A=store_a,
-                HAS_C=has_c, **launch)
-        recompute_u = update and u_from is not None
-        ctx.save_for_backward(_rows(u_from) if recompute_u else xr, yr, rr, wa, ba, wb, bb, wc,
+                n_rows, n_cols, float(kind.scale), kind.eps,
+                IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update, STORE_A=kind.store_a,
+                HAS_C=has_c, GATE=kind.gate, **launch)
+        recompute_u = update and x0 is not None
+        ctx.save_for_backward(_rows(x0) if recompute_u else xr, yr, rr, wa, ba, wb, bb, wc,
                               bc, wu if recompute_u else None, bu if recompute_u else None,
                               stats)
-        ctx.flags = dict(scale=float(scale), eps=eps, is_rms=is_rms, update=update,
-                         store_a=store_a, recompute_u=recompute_u)
+        ctx.kind, ctx.halves, ctx.recompute_u = kind, halves, recompute_u
+        ctx.update, ctx.packed_shape = update, None if packed is None else packed.shape
         shape = x.shape
-        return (None if a is None else a.view(shape),
-                None if y_out is None else y_out.view(shape), s.view(shape))
+        if update:
+            y_out = y_out.view(shape)
+        elif kind.pass_y:
+            y_out = y
+        return (None if a is None else a.view(shape), y_out, x if kind.pass_x else None,
+                s.view(shape))
 
     @staticmethod
-    def backward(ctx, grad_a, grad_y, grad_s):
+    def backward(ctx, grad_a, grad_y, grad_x, grad_s):
         xr, yr, rr, wa, ba, wb, bb, wc, bc, wu, bu, stats = ctx.saved_tensors
-        f = ctx.flags
+        kind, update = ctx.kind, ctx.update
         n_rows, n_cols = xr.shape
-        grad_s = grad_s.contiguous()
-        grad_a = grad_a.contiguous() if f["store_a"] else grad_s
-        grad_y = grad_y.contiguous() if f["update"] else grad_s
-        dx = torch.empty((n_rows, n_cols), dtype=xr.dtype, device=xr.device)
-        dy = torch.empty((n_rows, n_cols), dtype=yr.dtype, device=yr.device)
-        dr = torch.empty_like(dx, dtype=rr.dtype) if f["update"] else dx
+        has_gy = update or kind.pass_y
+        gs = _grad_rows(grad_s, n_cols)
+        ga = _grad_rows(grad_a, n_cols) if kind.store_a else gs
+        gy = _grad_rows(grad_y, n_cols) if has_gy else gs
+        gx = _grad_rows(grad_x, n_cols) if kind.pass_x else gs
+        dpacked = None
+        if ctx.packed_shape is not None:
+            dpacked = xr.new_empty(ctx.packed_shape)
+            dx, dy = (half.view(-1, n_cols) for half in ctx.halves(dpacked))  # in place
+        else:
+            dx = torch.empty((n_rows, n_cols), dtype=xr.dtype, device=xr.device)
+            dy = torch.empty((n_rows, n_cols), dtype=yr.dtype, device=yr.device)
+        dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
+        has_bias = bb is not None
         launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE)
-        programs = _programs(n_rows, xr.device, launch["num_warps"])
-        partials = weight_grad_partials(programs, 6, n_cols, xr.device)
-        if n_rows:
-            kern.entry_bwd[(programs,)](
+
+        def run(kernel, partials, rows_per_program):
+            return kernel(
                 xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
                 wa, wa if ba is None else ba, wb, wb if bb is None else bb,
                 wa if wc is None else wc, wa if wu is None else wu, wa if bu is None else bu,
-                stats, grad_a, grad_y, grad_s, dx, dy, dr, partials,
-                n_rows, n_cols, triton.cdiv(n_rows, programs), f["scale"], f["eps"],
-                IS_RMS=f["is_rms"], HAS_BIAS=ba is not None, UPDATE=f["update"],
-                STORE_A=f["store_a"], HAS_C=wc is not None, RECOMPUTE_U=f["recompute_u"],
-                **launch)
-        weight_grads = _sum_partials(partials, [wa, ba, wb, bb, wc, bc])
+                stats, ga, gy, gx, gs, ga.stride(0), gy.stride(0), gx.stride(0), gs.stride(0),
+                dx, dy, dr, dx.stride(0), dy.stride(0), partials,
+                n_rows, n_cols, rows_per_program, float(kind.scale), kind.eps,
+                IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update,
+                STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=ctx.recompute_u,
+                GATE=kind.gate, HAS_GX=kind.pass_x, HAS_GY=has_gy, **launch)
+
+        partials = _backward(kern.entry_bwd, n_rows, xr.device, 6 if has_bias else 3, n_cols,
+                             run)
+        dwa, dwb, dwc, dba, dbb, dbc = _sum_partials(partials, [wa, wb, wc, ba, bb, bc])
         shape = grad_s.shape
-        return (dx.view(shape), dy.view(shape), dr.view(shape) if f["update"] else None,
-                *weight_grads, None, None, None, None, None, None, None)
+        if dpacked is not None:
+            stream_grads = (dpacked, None, None)
+        else:
+            stream_grads = (None, dx.view(shape), dy.view(shape))
+        return (None, None, *stream_grads, dr.view(shape) if update else None,
+                dwa, dba, dwb, dbb, dwc, dbc, None, None, None)
 
 
 class DualUpdateFunction(torch.autograd.Function):
     """out with halves(out) = (u + r / scale, y + r): the two results written in place into
-    the given (fresh, grad-less) tensor ``out``, whose two views ``halves`` returns."""
+    the given (fresh, grad-less) tensor ``out``, whose two views ``halves`` returns. Backward
+    hands u and y the halves of the packed gradient as they are (strided views, which the
+    entry kernels read in place) and computes r's, gx / scale + gy, in one pass."""
 
     @staticmethod
     def forward(ctx, u, y, r, scale: float, out: torch.Tensor, halves: Callable):
@@ -216,7 +294,17 @@ class DualUpdateFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gx, gy = ctx.halves(grad)
-        return gx, gy, gx / ctx.scale + gy, None, None, None
+        n_cols = gx.shape[-1]
+        gxr, gyr = _grad_rows(gx, n_cols), _grad_rows(gy, n_cols)
+        if gxr.stride(0) != gyr.stride(0):
+            gxr, gyr = gxr.contiguous(), gyr.contiguous()
+        n_rows = gxr.shape[0]
+        dr = torch.empty((n_rows, n_cols), dtype=grad.dtype, device=grad.device)
+        if n_rows:
+            launch = _launch_args(n_cols)
+            kern.dual_update_bwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
+                gxr, gyr, gxr.stride(0), dr, n_rows, n_cols, ctx.scale, **launch)
+        return gx, gy, dr.view(gx.shape), None, None, None
 
 
 class QKVNormFunction(torch.autograd.Function):
@@ -255,13 +343,15 @@ class QKVNormFunction(torch.autograd.Function):
         gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
         dmixed = torch.empty_like(rows)
         launch = _head_launch_args(heads, dim, QKV_BACKWARD_TILE)
-        programs = _programs(n_rows, rows.device, launch["num_warps"])
-        partials = weight_grad_partials(programs, 6, dim, rows.device)
-        if n_rows:
-            kern.qkv_norm_bwd[(programs,)](
-                rows, wq, wk, wv, stats, gq, gk, gv, dmixed, partials, n_rows, heads, dim,
-                triton.cdiv(n_rows, programs), IS_RMS=ctx.is_rms, **launch)
         bias = ctx.has_bias
+
+        def run(kernel, partials, rows_per_program):
+            return kernel(
+                rows, wq, wk, wv, stats, gq, gk, gv, dmixed, partials, n_rows, heads, dim,
+                rows_per_program, IS_RMS=ctx.is_rms, HAS_BIAS=bias, **launch)
+
+        partials = _backward(kern.qkv_norm_bwd, n_rows, rows.device, 6 if bias else 3, dim,
+                             run)
         dwq, dwk, dwv, dbq, dbk, dbv = _sum_partials(
             partials, [wq, wk, wv] + ([wq, wk, wv] if bias else [None] * 3))
         return (dmixed.view(ctx.mixed_shape), None, None, None, None,

@@ -27,7 +27,7 @@ class StreamMergeNorm(torch.nn.Module):
         self.fused = fuse(backend, self.x_norm, self.y_norm, self.final_norm)
 
     def forward(self, packed: torch.Tensor) -> torch.Tensor:
-        x, y = streams.unpack(packed)
         if self.fused is not None:
-            return self.fused.merge(x, y)
+            return self.fused.merge_packed(packed, streams.unpack)
+        x, y = streams.unpack(packed)
         return self.final_norm(self.x_norm(x) + self.y_norm(y))

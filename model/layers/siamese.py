@@ -33,8 +33,7 @@ class SiameseLayer(TwoStreamLayer):
         self.mlp_norms = self.sublayer_norms()
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        x, y = self.streams_in(hidden_states)
-        u, s = self.attn_norms.entry(x, y)                        # u = Npost(x), s = Nin(...)
+        x, y, u, s = self.enter(self.attn_norms, hidden_states)   # u = Npost(x), s = Nin(...)
         r = self.attention(s, inputs)
         # x = u + r/c, y += r; entry. Backward recomputes u from x, which attention keeps.
         u, y, s = self.mlp_norms.update_entry(u, y, r, self.c, (x, self.attn_norms.post))

@@ -19,9 +19,11 @@ the official code's flag ``{0: {'attn_norm': True, 'ffn_residual': False}}`` doe
 
 (``prenorm``); ``prenorm_literal``, SIAMESENORM.md's wording, has no Nx_mlp.
 
-Fusion (triton backend): the attention's update and the MLP's entry are one pass; the MLP's
-update is one pass writing the packed output. The gated attention entry is no norm trio and
-stays plain torch, as does HybridNorm*'s block 0 (one block of the model).
+Fusion (triton backend): the gated attention entry is one pass (the gate's product in fp32,
+also when megatron's Float16Module has made g bf16), which past block 0 reads the packed input
+and writes its gradient whole; the attention's update and the MLP's entry are one pass; the
+MLP's update is one pass writing the packed output. HybridNorm*'s block 0 (one block of the
+model) stays plain torch.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
 
+from kernels.fused import fuse_gate
 from kernels.norms import mark_sequence_parallel
+from model import streams
 from model.config import ModelConfig
 from model.layers.base import BranchInputs, LayerChoice
 from model.layers.two_stream import TwoStreamLayer, siamese_params
@@ -74,11 +78,23 @@ class SiameseHybridLayer(TwoStreamLayer):
         super().__init__(config, submodules, *args, **kwargs)
         self.attn_gate = ChannelGate(self.config, self.config.hidden_size)
         self.attn_pre_norm = self.build_norm()
+        self.attn_fused = fuse_gate(self.backend, self.attn_gate, self.attn_pre_norm)
         self.mlp_norms = self.sublayer_norms()
 
+    def gated_entry(self, hidden_states: torch.Tensor):
+        """(x, y, a) with a = x * g + Npre_attn(y), from the layer input."""
+        if self.attn_fused is None:
+            x, y = self.streams_in(hidden_states)
+            return x, y, self.attn_gate(x) + self.attn_pre_norm(y)
+        if self.layer_number == 1:
+            x, y = streams.start(hidden_states)
+            return x, y, self.attn_fused.entry(x, y)[1]
+        _, x, y, a = self.attn_fused.entry_packed(hidden_states, streams.unpack)
+        return x, y, a
+
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        x, y = self.streams_in(hidden_states)
-        r = self.attention(self.attn_gate(x) + self.attn_pre_norm(y), inputs)
+        x, y, a = self.gated_entry(hidden_states)
+        r = self.attention(a, inputs)
         u, y, s = self.mlp_norms.update_entry(x, y, r, self.c)   # x = x + r/c, y += r; entry
         r = self.feed_forward(s, inputs)
         return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed

@@ -55,6 +55,17 @@ class SublayerNorms(torch.nn.Module):
         u = self.post(x)
         return u, self.inp(u + self.pre(y))
 
+    def entry_packed(self, packed: torch.Tensor):
+        """(x, y, u, s): :meth:`entry` of the streams packed in a layer input. Fused, the
+        kernel takes the packed tensor and writes its gradient in one piece; y comes back as
+        an output of the entry, so the gradient the rest of the layer gives it joins the
+        packed gradient inside that kernel. x is for reading only (a recomputation of u)."""
+        if self.fused is None:
+            x, y = streams.unpack(packed)
+            return (x, y, *self.entry(x, y))
+        u, _, y, s = self.fused.entry_packed(packed, streams.unpack)
+        return streams.unpack(packed.detach())[0], y, u, s
+
     def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float,
                      u_from: tuple[torch.Tensor, torch.nn.Module] | None = None):
         if self.fused is not None:
@@ -124,6 +135,14 @@ class TwoStreamLayer(SchemeLayer):
         if self.layer_number == 1:
             return streams.start(hidden_states)
         return streams.unpack(hidden_states)
+
+    def enter(self, norms: SublayerNorms, hidden_states: torch.Tensor):
+        """(x, y, u, s): the streams of the layer input and ``norms``' entry of them
+        (:meth:`SublayerNorms.entry_packed` past block 0)."""
+        if self.layer_number == 1:
+            x, y = streams.start(hidden_states)
+            return (x, y, *norms.entry(x, y))
+        return norms.entry_packed(hidden_states)
 
     def streams_out(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """The last update, x = u + r / c_l and y = y + r, as the packed tensor the next layer

@@ -20,11 +20,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kernels import triton_kernels, triton_ops
 from kernels.backend import NormBackend, resolve
+from kernels.fused import fuse_gate
 from kernels.norms import Norm
 from model import streams
 from model.builder import build_model
 from model.config import ParallelConfig
 from model.layers.merge import StreamMergeNorm
+from model.layers.siamese_hybrid import ChannelGate
 from model.layers.two_stream import SublayerNorms, packed_update
 from runtime.errors import ConfigError
 from tests import bf16_parity
@@ -182,6 +184,83 @@ def test_siamese_entry_from_packed(rows, hidden, kind, dtype, input_norm):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
+def test_siamese_entry_takes_the_packed_input(rows, hidden, kind, dtype):
+    """The entry as a layer past block 0 makes it: the packed tensor whole, y handed back and
+    read again (its gradient joins the packed gradient inside the kernel), x only read."""
+    [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
+
+    def op(t, m):
+        x, y, u, s = m.entry_packed(t[0])
+        assert m.fused is None or not x.requires_grad  # read by a recomputation only
+        return [y * 1.5, u, s]
+
+    assert_parity(sublayer(kind, hidden, dtype), op, [packed], dtype)
+
+
+def gated_entry(kind, hidden, dtype):
+    """Builds siamese_hybrid's attention entry, x * g + Npre(y), with a given backend."""
+    def build(backend):
+        config, _ = norm_spec(kind, hidden, dtype, backend)
+        entry = torch.nn.Module()
+        entry.gate = ChannelGate(config, hidden).to(DEVICE)
+        entry.pre = norm_builder(kind, hidden, dtype, backend)()
+        entry.fused = fuse_gate(backend, entry.gate, entry.pre)
+        return perturbed(entry)
+    return build
+
+
+def gated(t, m):
+    """The gated entry of the packed t[0], and x and y read again (as the MLP entry does)."""
+    if m.fused is not None:
+        _, x, y, a = m.fused.entry_packed(t[0], streams.unpack)
+    else:
+        x, y = streams.unpack(t[0])
+        a = m.gate(x) + m.pre(y)
+    return [a, x * 0.5, y * 1.5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,hidden", SHAPES)
+def test_gated_entry_from_packed(rows, hidden, kind, dtype):
+    [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
+    assert_parity(gated_entry(kind, hidden, dtype), gated, [packed], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden", SHAPES[1:3])
+def test_gated_entry_block_zero(rows, hidden, dtype):
+    """Block 0: x and y are the one embedding tensor."""
+    [emb] = inputs((rows, hidden), dtype, 1)
+
+    def op(t, m):
+        if m.fused is not None:
+            return [m.fused.entry(t[0], t[0])[1]]
+        return [m.gate(t[0]) + m.pre(t[0])]
+
+    assert_parity(gated_entry("RMSNorm", hidden, dtype), op, [emb], dtype)
+
+
+def test_gate_of_a_bf16_weight_computes_as_an_fp32_one():
+    """Under megatron's Float16Module the gate's weight is bf16: the fused entry still does
+    its arithmetic in fp32, so the same values held in bf16 or fp32 give the same output and
+    the same gradients (the weight's rounded to its dtype)."""
+    [packed] = inputs((5, 1, 2 * 48), torch.bfloat16, 1)
+    results = []
+    for weight_dtype in (torch.float32, torch.bfloat16):
+        entry = gated_entry("RMSNorm", 48, torch.bfloat16)(TRITON)
+        entry.gate.weight.data = entry.gate.weight.data.bfloat16().to(weight_dtype)
+        results.append(run(gated, [packed.detach().clone().requires_grad_()], entry))
+    (fp32, bf16), gate_grad = results, 4  # outputs a, x, y; the input's gradient; g, w
+    assert bf16[gate_grad].dtype == torch.bfloat16
+    for index, (a, b) in enumerate(zip(fp32, bf16, strict=True)):
+        want = a.to(b.dtype) if index == gate_grad else a
+        assert torch.equal(want, b), index
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_siamese_entry_block_zero(rows, hidden, kind, dtype):
     """Block 0: both streams are the same embedding tensor."""
     [emb] = inputs((rows, hidden), dtype, 1)
@@ -220,8 +299,7 @@ def test_mlp_entry_recomputing_u_from_the_layer_input(rows, hidden, kind, dtype)
     [r] = inputs((rows, 1, hidden), dtype, 1, seed=3)
 
     def op(t, m):
-        x, y = streams.unpack(t[0])
-        u, s = m.attn.entry(x, y)
+        x, y, u, s = m.attn.entry_packed(t[0])
         return [s, *m.mlp.update_entry(u, y, t[1], 2.0 ** 0.5, (x, m.attn.post))]
 
     assert_parity(attention_and_mlp(kind, hidden, dtype), op, [packed, r], dtype)
@@ -286,15 +364,15 @@ def test_tiny_model_same_loss_and_grads(single_rank, device, monkeypatch, scheme
     errors = [rel_err(loss_f, loss_t)] + [rel_err(grads_f[n], grads_t[n]) for n in grads_t]
     assert errors[0] <= 1e-6 and max(errors) <= 1e-5, errors
     assert not calls_t  # the torch model never reaches a kernel
-    # The fused path really ran: per block the MLP entry (siamese also the attention entry;
-    # HybridNorm*'s block 0 none) and the packed update, plus the merge; the remaining norms
-    # (siamese_hybrid's Npre_attn, QKV head norms, HybridNorm*'s block-0 norms) are triton's.
-    per_block = [2 if scheme == "siamese" else 1] * 2
+    # The fused path really ran: per block the attention entry (siamese_hybrid's gated one)
+    # and the MLP entry (HybridNorm*'s block 0 neither) and the packed update, plus the merge;
+    # the remaining norms (QKV head norms, HybridNorm*'s block-0 norms) are triton's.
+    per_block = [2, 2]
     if extra.get("hybrid_first_block"):
         per_block[0] = 0
     assert calls_f["EntryFunction"] == sum(per_block) + 1, calls_f
     assert calls_f["DualUpdateFunction"] == 2, calls_f
-    assert (calls_f["NormFunction"] > 0) == (scheme == "siamese_hybrid"), calls_f
+    assert (calls_f["NormFunction"] > 0) == bool(extra.get("hybrid_first_block")), calls_f
     # siamese_hybrid's Q/K/V head norms: one fused op per block
     assert calls_f["QKVNormFunction"] == (2 if scheme == "siamese_hybrid" else 0), calls_f
 
@@ -477,8 +555,8 @@ def break_entry_kernel(monkeypatch, where: str, factor: float = 1 + 1e-2) -> Non
     apply = triton_ops.EntryFunction.apply
 
     def broken(*args):
-        u, y, s = apply(*args)
-        return u, y, s * factor if where == "forward" else _ScaledGrad.apply(s, factor)
+        u, y, x, s = apply(*args)
+        return u, y, x, s * factor if where == "forward" else _ScaledGrad.apply(s, factor)
     monkeypatch.setattr(triton_ops.EntryFunction, "apply", broken)
 
 
