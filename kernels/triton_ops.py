@@ -36,13 +36,23 @@ FORWARD_TILE, NORM_BACKWARD_TILE, ENTRY_BACKWARD_TILE, QKV_BACKWARD_TILE = 2048,
 MAX_ROWS = 32
 
 
-def _launch_args(n_cols: int, tile: int = FORWARD_TILE) -> dict:
+# Warps of a row kernel at most: forward kernels keep a row's few live values in 8 warps at
+# every width; a backward pass holds about ten fp32 values per column of its tile plus its
+# weight-gradient accumulators, which from hidden 4096 on spill out of 8 warps' registers, so
+# its warps grow with the row, to 16 (no spill at 4096; at 8192 the entry's backward still
+# spills, far less: ``bench.kernel_resources``).
+MAX_WARPS, MAX_BACKWARD_WARPS = 8, 16
+
+
+def _launch_args(n_cols: int, tile: int = FORWARD_TILE, max_warps: int = MAX_WARPS) -> dict:
     """BLOCK (a power of two covering the row), ROWS per tile (filling ``tile`` values) and
-    warps (one per 256 values of the tile, 1 to 8) of a row kernel: a fixed function of the
-    hidden size, so every run makes the same launches and sums in the same order."""
+    warps (one per 256 values of the tile, 1 to 8, up to ``max_warps`` where one row holds
+    more than 2048 values) of a row kernel: a fixed function of the hidden size, so every run
+    makes the same launches and sums in the same order."""
     block = triton.next_power_of_2(n_cols)
     rows = min(max(tile // block, 1), MAX_ROWS)
-    return {"BLOCK": block, "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), 8)}
+    cap = max(MAX_WARPS, min(max_warps, block // 256))  # more than 8 only for a longer row
+    return {"BLOCK": block, "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), cap)}
 
 
 def _programs(kernel: triton.JITFunction, n_rows: int, device: torch.device,
@@ -135,7 +145,7 @@ class NormFunction(torch.autograd.Function):
         g = _grad_rows(grad, n_cols)
         dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
         dr = torch.empty_like(dx) if ctx.has_residual else dx
-        launch = _launch_args(n_cols, NORM_BACKWARD_TILE)
+        launch = _launch_args(n_cols, NORM_BACKWARD_TILE, MAX_BACKWARD_WARPS)
 
         def run(kernel, partials, rows_per_program):
             return kernel(
@@ -243,7 +253,7 @@ class EntryFunction(torch.autograd.Function):
             dy = torch.empty((n_rows, n_cols), dtype=yr.dtype, device=yr.device)
         dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
         has_bias = bb is not None
-        launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE)
+        launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE, MAX_BACKWARD_WARPS)
 
         def run(kernel, partials, rows_per_program):
             return kernel(
