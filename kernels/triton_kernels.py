@@ -15,7 +15,12 @@ point of fusing is to read each input row once and write each output row once:
   tensor, r, where storing the sums would keep two. Without ``HAS_C`` the input norm Nc is the
   identity (the paper's ablation).
 - ``dual_update``: the layer's last update, written straight into the two halves of the packed
-  tensor that layers exchange.
+  tensor that layers exchange; its backward reads the two halves of the packed gradient and
+  writes the branch output's, ``gx / c + gy``.
+- ``entry`` with ``GATE``: siamese_hybrid's attention entry, ``x * g + Nb(y)``, the gate g in
+  place of Na. Past block 0 an entry reads the two halves of the packed layer input, and its
+  backward writes dx and dy straight into the halves of the packed gradient, adding the
+  gradients that later ops of the layer gave x and y (``HAS_GX``, ``HAS_GY``).
 - ``qkv_norm``: the per-head Q, K and V norms of QKV-norm attention (siamese_hybrid,
   hybridnorm) read straight from the packed projection, ``ROWS`` (token, K/V group) rows of
   ``heads + 2`` heads per tile, written as contiguous Q, K and V.
@@ -23,7 +28,8 @@ point of fusing is to read each input row once and write each output row once:
   ``N(alpha h + r)`` in one pass (the sum is recomputed in backward, never stored).
 
 ``HAS_BIAS``: the norms' LayerNorm bias (``model.norm_bias``); RMSNorm never has one. Bias
-gradients are accumulated either way and dropped by the caller when there is no bias.
+gradients are accumulated, and their partial slots written, only with it: each accumulator is
+a row's width of registers per program.
 
 The row kernels work on tiles of ``ROWS`` rows x ``BLOCK`` columns (``qkv_norm``: heads):
 several rows per tile give a program more independent loads in flight (small hidden sizes,
