@@ -474,16 +474,22 @@ GPU_ROWS, GPU_HIDDEN = 8192, 2048
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_gpu_full_size_parity(kind, dtype):
-    shape = (GPU_ROWS, 1, GPU_HIDDEN)
-    u, y, r = inputs(shape, dtype, 3)
-    [packed] = inputs((GPU_ROWS, 1, 2 * GPU_HIDDEN), dtype, 1)
+    """Every fused op as the model calls it, at the 1.3B width; fresh inputs for each op, so no
+    op sees another's accumulated gradients."""
+    def streams_in(count: int = 1, width: int = 1):
+        return inputs((GPU_ROWS, 1, width * GPU_HIDDEN), dtype, count)
+
     assert_parity(lambda backend: perturbed(norm_builder(kind, GPU_HIDDEN, dtype, backend)()),
-                  lambda t, m: [m(t[0])], [u], dtype)
+                  lambda t, m: [m(t[0])], streams_in(), dtype)
     assert_parity(sublayer(kind, GPU_HIDDEN, dtype),
-                  lambda t, m: m.entry(*streams.unpack(t[0])), [packed], dtype)
+                  lambda t, m: m.entry(*streams.unpack(t[0])), streams_in(width=2), dtype)
     assert_parity(sublayer(kind, GPU_HIDDEN, dtype),
-                  lambda t, m: m.update_entry(*t, 3.0), [u, y, r], dtype)
-    assert_parity(merge(kind, GPU_HIDDEN, dtype), lambda t, m: [m(t[0])], [packed], dtype)
+                  lambda t, m: list(m.entry_packed(t[0])[1:]), streams_in(width=2), dtype)
+    assert_parity(gated_entry(kind, GPU_HIDDEN, dtype), gated, streams_in(width=2), dtype)
+    assert_parity(sublayer(kind, GPU_HIDDEN, dtype),
+                  lambda t, m: m.update_entry(*t, 3.0), streams_in(3), dtype)
+    assert_parity(merge(kind, GPU_HIDDEN, dtype), lambda t, m: [m(t[0])], streams_in(width=2),
+                  dtype)
 
 
 def test_bench_table_and_cpu_exit(capsys):
