@@ -10,8 +10,9 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 	bash scripts/install.sh $(VENV)
 	touch $@
 
+# The 25 slowest tests close the report, so every run shows where the suite's time goes.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The fast tier for the edit loop (< 3 minutes on a 2-core CPU): no test that starts a process,
 # needs a GPU or a cluster (tests/tiers.py holds the markers to that).
