@@ -123,8 +123,12 @@ def compiled_programs_per_sm(compiled: Any, props: Any) -> int:
     the driver has filled ``n_regs``), on the device torch describes with ``props``. Its warps
     and shared memory come from its own metadata, as Triton compiled it."""
     metadata = compiled.metadata
-    return resident_per_sm(compiled.n_regs, metadata.shared, metadata.num_warps,
-                           device_limits(props))
+    found = resident_per_sm(compiled.n_regs, metadata.shared, metadata.num_warps,
+                            device_limits(props))
+    # A kernel the compiler built for this device runs at least one program per SM (ptxas
+    # caps registers by the warps); a 0 here would be a limit torch misreports, and would
+    # shrink the grid to a single program.
+    return max(found, 1)
 
 
 def _index(device: torch.device) -> int:

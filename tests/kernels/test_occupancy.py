@@ -88,6 +88,9 @@ def test_backward_programs_by_hand(n_rows, sms, resident, expected):
     (compiled(32, 1, 100 * 1024), SimpleNamespace(major=8, minor=0), 1),
     # an architecture outside the table: 16 programs at most, where 64 warps of 1 would be 64
     (compiled(16, 1), SimpleNamespace(major=12, minor=0), 16),
+    # a device that reports a register file too small for one program (16 x 32 x 128 = 64K
+    # registers needed, 32K reported): still one program per SM, not a grid of one program
+    (compiled(128, 16), SimpleNamespace(**{**vars(H100), "regs_per_multiprocessor": 32768}), 1),
 ])
 def test_compiled_kernel_on_a_device(kernel, props, expected):
     assert compiled_programs_per_sm(kernel, props) == expected
