@@ -42,6 +42,7 @@ KERNEL_ROLES = {
                  "dx_ptr w", "dr_ptr w HAS_RESIDUAL", "dw_ptr w"),
     "entry_fwd": ("x_ptr r", "y_ptr r", "r_ptr r UPDATE", "wa_ptr r", "ba_ptr r HAS_BIAS !GATE",
                   "wb_ptr r", "bb_ptr r HAS_BIAS", "wc_ptr r HAS_C", "bc_ptr r HAS_C HAS_BIAS",
+                  "wu_ptr r UPDATE RECOMPUTE_U", "bu_ptr r UPDATE RECOMPUTE_U HAS_BIAS",
                   "a_out_ptr w STORE_A", "y_out_ptr w UPDATE", "s_out_ptr w", "stats_ptr w"),
     "entry_bwd": ("x_ptr r", "y_ptr r", "r_ptr r UPDATE", "wa_ptr r",
                   "ba_ptr r HAS_C HAS_BIAS !GATE", "wb_ptr r", "bb_ptr r HAS_C HAS_BIAS",

@@ -115,8 +115,8 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool, hidden: int) -> N
         triton_ops.norm(x, w[0], b[0], eps, is_rms),
         triton_ops.add_norm(x, r, 2.5, w[0], b[0], eps, is_rms),  # Post-Norm, DeepNorm
         # siamese entry from the packed input and block 0's (each with and without the input
-        # norm), update+entry, the MLP entry recomputing u, siamese_hybrid's gated entry
-        # (packed, block 0) and the merge
+        # norm), update+entry, the attention entry storing no u and the MLP entry computing
+        # it, siamese_hybrid's gated entry (packed, block 0) and the merge
         *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None,
                *params),
         *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None,
@@ -124,7 +124,10 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool, hidden: int) -> N
         *entry(Entry(eps, is_rms), None, None, x, y, None, *params),
         *entry(Entry(eps, is_rms), None, None, x, y, None, *params[:4], None, None),
         *entry(Entry(eps, is_rms, scale=3.0), None, None, x, y, r, *params),
-        *entry(Entry(eps, is_rms, scale=3.0), None, None, x, y, r, *params, x, w[2], b[2]),
+        *entry(Entry(eps, is_rms, store_a=False, pass_x=True, pass_y=True), streams.unpack,
+               packed, None, None, None, *params),
+        *entry(Entry(eps, is_rms, scale=3.0, u_from_x=True), None, None, x, y, r, *params,
+               w[2], b[2]),
         *entry(Entry(eps, is_rms, store_a=False, gate=True, pass_x=True, pass_y=True),
                streams.unpack, packed, None, None, None, w[0], None, *params[2:4], None, None),
         *entry(Entry(eps, is_rms, store_a=False, gate=True), None, None, x, y, None,

@@ -47,33 +47,42 @@ class FusedNorms:
             params += [None, None] if norm is None else [norm.weight, getattr(norm, "bias", None)]
         return params
 
-    def _apply(self, kind, halves, packed, x, y, r=None, *recompute):
+    def _apply(self, kind, halves, packed, x, y, r=None, *u_norm):
         return self._ops.EntryFunction.apply(kind, halves, packed, x, y, r, *self._params(),
-                                             *recompute)
+                                             *u_norm)
 
-    def entry(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(u, s) with u = Na(x), s = Nc(u + Nb(y)) (with a gate, u is None)."""
-        u, _, _, s = self._apply(self._kind(store_a=not self._gate), None, None, x, y)
+    def entry(self, x: torch.Tensor, y: torch.Tensor,
+              store_u: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(u, s) with u = Na(x), s = Nc(u + Nb(y)) (u None with a gate or without
+        ``store_u``)."""
+        kind = self._kind(store_a=store_u and not self._gate)
+        u, _, _, s = self._apply(kind, None, None, x, y)
         return u, s
 
-    def entry_packed(self, packed: torch.Tensor, halves: Halves):
-        """(u, x, y, s) of the streams ``halves(packed)``: u = Na(x) (None with a gate) and s as
-        :meth:`entry`; y, and with a gate x, returned for the layer to read again (x is None
-        without a gate: the norms' u stands for it)."""
-        kind = self._kind(store_a=not self._gate, pass_x=self._gate, pass_y=True)
+    def entry_packed(self, packed: torch.Tensor, halves: Halves, store_u: bool = True):
+        """(u, x, y, s) of the streams ``halves(packed)``: u and s as :meth:`entry`; y, and x
+        with a gate or without ``store_u``, returned for the layer to read again (else x is
+        None: the norms' u stands for it)."""
+        store_u = store_u and not self._gate
+        kind = self._kind(store_a=store_u, pass_x=not store_u, pass_y=True)
         u, y, x, s = self._apply(kind, halves, packed, None, None)
         return u, x, y, s
 
-    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float,
-                     u_from: tuple[torch.Tensor, Norm] | None = None):
+    def update_entry(self, u: torch.Tensor | None, y: torch.Tensor, r: torch.Tensor,
+                     scale: float, u_from: tuple[torch.Tensor, Norm] | None = None):
         """(u', y', s): x = u + r / scale, y' = y + r, then u' = Na(x), s = Nc(u' + Nb(y')).
-        ``u_from`` = (x0, norm) with u = norm(x0): backward keeps x0 (and recomputes u) rather
-        than u; ``norm`` must compute like these norms (:meth:`computes_like`)."""
-        recompute = ()
-        if u_from is not None:
-            x0, norm = u_from
-            recompute = (x0.detach(), norm.weight, norm.bias)
-        u, y, _, s = self._apply(self._kind(scale=scale), None, None, u, y, r, *recompute)
+        ``u_from`` = (x0, norm): u is norm(x0), computed here from x0 forward and backward
+        (``u`` may then be None: the previous entry need not store it), its gradient sent on
+        to x0 and the norm's weights; ``norm`` must compute like these norms
+        (:meth:`computes_like`)."""
+        if u_from is None:
+            if u is None:
+                raise ValueError("update_entry needs u, or u_from to compute it")
+            u, y, _, s = self._apply(self._kind(scale=scale), None, None, u, y, r)
+            return u, y, s
+        x0, norm = u_from
+        kind = self._kind(scale=scale, u_from_x=True)
+        u, y, _, s = self._apply(kind, None, None, x0, y, r, norm.weight, norm.bias)
         return u, y, s
 
     def computes_like(self, norm) -> bool:

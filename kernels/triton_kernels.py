@@ -133,14 +133,18 @@ def _add_branch(v, r, scale):
 @triton.jit
 def entry_fwd(
     x_ptr, y_ptr, r_ptr, x_stride, y_stride, r_stride,
-    wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, bc_ptr,
+    wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, bc_ptr, wu_ptr, bu_ptr,
     a_out_ptr, y_out_ptr, s_out_ptr, stats_ptr,
     n_rows, n_cols, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
-    HAS_C: tl.constexpr, GATE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_C: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_U: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """With ``GATE``, Na is no norm but a per-channel gate, a = x * wa (no statistics, no
-    bias): siamese_hybrid's attention entry a = x g + Npre(y)."""
+    bias): siamese_hybrid's attention entry a = x g + Npre(y). With UPDATE and
+    ``RECOMPUTE_U``, ``x_ptr`` is the previous entry's input x0 and the update's u is
+    Npost(x0) by ``wu``/``bu``, computed here (as in backward), so that entry never stores
+    u."""
     rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -148,6 +152,9 @@ def entry_fwd(
     x = _load(x_ptr, x_stride, rows, cols, mask)
     y = _load(y_ptr, y_stride, rows, cols, mask)
     if UPDATE:
+        if RECOMPUTE_U:
+            x = _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS,
+                             HAS_BIAS)
         r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
         x = _add_branch(x, r, scale)
         y = _add_branch(y, r, 1.0)
@@ -180,7 +187,8 @@ def entry_fwd(
 @triton.jit
 def _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
-    """u = Npost(x) as the previous entry computed and rounded it (same fp32 math)."""
+    """u = Npost(x), rounded to x's dtype as a stored u would be (same fp32 math forward and
+    backward)."""
     x_hat, _, _ = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
     return _affine(x_hat, wu_ptr, bu_ptr, cols, col_mask, HAS_BIAS).to(x.dtype)
 
@@ -214,21 +222,26 @@ def entry_bwd(
     where the caller reuses y; ``gx`` (``HAS_GX``) one added to x's. Every gradient is read
     and dx, dy written with their own row strides, so they may be halves of packed tensors.
     With UPDATE, ``y_ptr`` is the old y and ``x_ptr`` u (or, with RECOMPUTE_U, the previous
-    entry's input, u = Npost(x) by the weights ``wu``/``bu``); both updated streams are
-    recomputed with r; dx is the gradient of u, dy that of the old y and dr = dx / c + dy that
-    of the branch output r. ``dw`` receives this program's partial sums of the weight
-    gradients (wa, wb, wc), then with HAS_BIAS the bias gradients (ba, bb, bc), each
-    ``n_cols`` long: RMSNorm keeps three accumulators, not six."""
+    entry's input x0, u = Npost(x0) by the weights ``wu``/``bu``); both updated streams are
+    recomputed with r; dx is the gradient of u (with RECOMPUTE_U, of x0, through Npost), dy
+    that of the old y and dr = du / c + dy that of the branch output r. ``dw`` receives this
+    program's partial sums of the weight gradients (wa, wb, wc, and wu with RECOMPUTE_U),
+    then with HAS_BIAS the bias gradients (ba, bb, bc, bu), each ``n_cols`` long: RMSNorm
+    keeps three or four accumulators, not six or eight."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
     acc_wa = tl.zeros([BLOCK], dtype=tl.float32)
     acc_wb = tl.zeros([BLOCK], dtype=tl.float32)
     acc_wc = tl.zeros([BLOCK], dtype=tl.float32)
+    if RECOMPUTE_U:
+        acc_wu = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_BIAS:
         acc_ba = tl.zeros([BLOCK], dtype=tl.float32)
         acc_bb = tl.zeros([BLOCK], dtype=tl.float32)
         acc_bc = tl.zeros([BLOCK], dtype=tl.float32)
+        if RECOMPUTE_U:
+            acc_bu = tl.zeros([BLOCK], dtype=tl.float32)
 
     start = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(start + rows_per_program, n_rows)
@@ -239,8 +252,8 @@ def entry_bwd(
         y = _load(y_ptr, y_stride, rows, cols, mask)
         if UPDATE:
             if RECOMPUTE_U:
-                x = _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS,
-                                 HAS_BIAS)
+                u_hat, mean_u, rstd_u = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
+                x = _affine(u_hat, wu_ptr, bu_ptr, cols, col_mask, HAS_BIAS).to(x.dtype)
             r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
             x = _add_branch(x, r, scale)
             y = _add_branch(y, r, 1.0)
@@ -281,17 +294,35 @@ def entry_bwd(
             dy += _load(gy_ptr, gy_stride, rows, cols, mask).to(tl.float32)
         if UPDATE:
             _store(dr_ptr, n_cols, rows, cols, mask, dx / scale + dy)
+            if RECOMPUTE_U:  # u = Npost(x0): on to x0 and Npost's weights
+                # x0's normalised row again from x0 (a cache hit) and its two statistics:
+                # holding it across the row's work would cost a row of registers
+                u_hat = _load(x_ptr, x_stride, rows, cols, mask).to(tl.float32)
+                if IS_RMS:
+                    u_hat = u_hat * rstd_u[:, None]
+                else:
+                    u_hat = tl.where(mask, (u_hat - mean_u[:, None]) * rstd_u[:, None], 0.0)
+                acc_wu += tl.sum(dx * u_hat, axis=0)
+                if HAS_BIAS:
+                    acc_bu += tl.sum(dx, axis=0)
+                dx = _input_grad(dx * _weight(wu_ptr, cols, col_mask), u_hat, rstd_u, n_cols,
+                                 IS_RMS)
         _store(dx_ptr, dx_stride, rows, cols, mask, dx)
         _store(dy_ptr, dy_stride, rows, cols, mask, dy)
 
-    partial = dw_ptr + pid.to(tl.int64) * (6 if HAS_BIAS else 3) * n_cols
+    weights: tl.constexpr = 4 if RECOMPUTE_U else 3
+    partial = dw_ptr + pid.to(tl.int64) * (2 * weights if HAS_BIAS else weights) * n_cols
     _store_partial(partial, 0, n_cols, cols, col_mask, acc_wa)
     _store_partial(partial, 1, n_cols, cols, col_mask, acc_wb)
     _store_partial(partial, 2, n_cols, cols, col_mask, acc_wc)
+    if RECOMPUTE_U:
+        _store_partial(partial, 3, n_cols, cols, col_mask, acc_wu)
     if HAS_BIAS:
-        _store_partial(partial, 3, n_cols, cols, col_mask, acc_ba)
-        _store_partial(partial, 4, n_cols, cols, col_mask, acc_bb)
-        _store_partial(partial, 5, n_cols, cols, col_mask, acc_bc)
+        _store_partial(partial, weights + 0, n_cols, cols, col_mask, acc_ba)
+        _store_partial(partial, weights + 1, n_cols, cols, col_mask, acc_bb)
+        _store_partial(partial, weights + 2, n_cols, cols, col_mask, acc_bc)
+        if RECOMPUTE_U:
+            _store_partial(partial, weights + 3, n_cols, cols, col_mask, acc_bu)
 
 
 @triton.jit

@@ -168,7 +168,10 @@ class Entry(NamedTuple):
     output; ``gate``: Na is a per-channel gate a = x * wa, not a norm (siamese_hybrid's
     attention entry); ``pass_x`` / ``pass_y``: x / y are outputs too, for a later op of the
     layer to read, so that their gradients come back into this function's backward and join
-    the stream gradients inside the kernel, not in autograd's sums."""
+    the stream gradients inside the kernel, not in autograd's sums; ``u_from_x``: in an
+    update, x is not u but the previous entry's input, u = Nu(x) by the weights ``wu``,
+    ``bu`` (computed forward and backward, never stored; its gradient goes on to x and Nu's
+    weights)."""
 
     eps: float
     is_rms: bool
@@ -177,6 +180,7 @@ class Entry(NamedTuple):
     gate: bool = False
     pass_x: bool = False
     pass_y: bool = False
+    u_from_x: bool = False
 
 
 class EntryFunction(torch.autograd.Function):
@@ -191,17 +195,18 @@ class EntryFunction(torch.autograd.Function):
     x_out likewise with ``kind.pass_x``. ``a`` is None unless ``kind.store_a``; ``wc`` None
     drops Nc. Biases are None for RMSNorm and for LayerNorm without bias (all norms alike:
     ``fuse``; a gate has none). Backward of an update keeps x (here u), y and r, not the
-    updated streams; ``x0`` (the input that gave u = Npost(x0), whose norm has weight ``wu``
-    and bias ``bu``) keeps that instead of u and recomputes u, for when u is not kept anyway
-    and x0 is.
+    updated streams; with ``kind.u_from_x``, x is the previous entry's input and u = Nu(x)
+    (weight ``wu``, bias ``bu``) is computed from it: when x is a half of the layer input,
+    which the attention entry keeps anyway, u is then neither stored nor kept.
     """
 
     @staticmethod
     def forward(ctx, kind: Entry, halves: Callable | None, packed, x, y, r,
-                wa, ba, wb, bb, wc, bc, x0=None, wu=None, bu=None):
+                wa, ba, wb, bb, wc, bc, wu=None, bu=None):
         if packed is not None:
             x, y = halves(packed)
         update, has_c, has_bias = r is not None, wc is not None, bb is not None
+        recompute_u = update and kind.u_from_x
         xr, yr = _rows(x), _rows(y)
         rr = _rows(r) if update else xr
         n_rows, n_cols = xr.shape
@@ -216,14 +221,12 @@ class EntryFunction(torch.autograd.Function):
                 xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
                 wa, wa if ba is None else ba, wb, wb if bb is None else bb,
                 wa if wc is None else wc, wa if bc is None else bc,
+                wa if wu is None else wu, wa if bu is None else bu,
                 s if a is None else a, s if y_out is None else y_out, s, stats,
                 n_rows, n_cols, float(kind.scale), kind.eps,
                 IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update, STORE_A=kind.store_a,
-                HAS_C=has_c, GATE=kind.gate, **launch)
-        recompute_u = update and x0 is not None
-        ctx.save_for_backward(_rows(x0) if recompute_u else xr, yr, rr, wa, ba, wb, bb, wc,
-                              bc, wu if recompute_u else None, bu if recompute_u else None,
-                              stats)
+                HAS_C=has_c, GATE=kind.gate, RECOMPUTE_U=recompute_u, **launch)
+        ctx.save_for_backward(xr, yr, rr, wa, ba, wb, bb, wc, bc, wu, bu, stats)
         ctx.kind, ctx.halves, ctx.recompute_u = kind, halves, recompute_u
         ctx.update, ctx.packed_shape = update, None if packed is None else packed.shape
         shape = x.shape
@@ -267,16 +270,20 @@ class EntryFunction(torch.autograd.Function):
                 STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=ctx.recompute_u,
                 GATE=kind.gate, HAS_GX=kind.pass_x, HAS_GY=has_gy, **launch)
 
-        partials = _backward(kern.entry_bwd, n_rows, xr.device, 6 if has_bias else 3, n_cols,
-                             run)
-        dwa, dwb, dwc, dba, dbb, dbc = _sum_partials(partials, [wa, wb, wc, ba, bb, bc])
+        weights = [wa, wb, wc] + ([wu] if ctx.recompute_u else [])  # the kernel's slots
+        biases = [ba, bb, bc] + ([bu] if ctx.recompute_u else [])
+        partials = _backward(kern.entry_bwd, n_rows, xr.device,
+                             len(weights) * (1 + has_bias), n_cols, run)
+        grads = _sum_partials(partials, weights + biases)  # biases None without bias slots
+        dwa, dwb, dwc, *dwu = grads[:len(weights)]
+        dba, dbb, dbc, *dbu = grads[len(weights):]
         shape = grad_s.shape
         if dpacked is not None:
             stream_grads = (dpacked, None, None)
         else:
             stream_grads = (None, dx.view(shape), dy.view(shape))
         return (None, None, *stream_grads, dr.view(shape) if update else None,
-                dwa, dba, dwb, dbb, dwc, dbc, None, None, None)
+                dwa, dba, dwb, dbb, dwc, dbc, *(dwu or [None]), *(dbu or [None]))
 
 
 class DualUpdateFunction(torch.autograd.Function):

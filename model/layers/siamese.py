@@ -13,7 +13,9 @@ Ablations: ``siamese_input_norm = false`` makes Nin the identity, ``siamese_dept
 false`` sets c_l = 1.
 
 Where fusion happens (triton backend; the torch backend runs the same steps unfused): the
-attention entry is one pass; the attention's update and the MLP's entry are one pass; the MLP's
+attention entry is one pass, which stores no u (the MLP entry computes u = Npost(x) from the
+layer input's x, forward and backward); the attention's update and the MLP's entry are one
+pass; the MLP's
 update is one pass writing the packed output.
 """
 
@@ -33,9 +35,11 @@ class SiameseLayer(TwoStreamLayer):
         self.mlp_norms = self.sublayer_norms()
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        x, y, u, s = self.enter(self.attn_norms, hidden_states)   # u = Npost(x), s = Nin(...)
+        # u = Npost(x), s = Nin(...); fused, u is not stored: the MLP entry computes it from x
+        computed = self.mlp_norms.computes_u_from(self.attn_norms.post)
+        x, y, u, s = self.enter(self.attn_norms, hidden_states, store_u=not computed)
         r = self.attention(s, inputs)
-        # x = u + r/c, y += r; entry. Backward recomputes u from x, which attention keeps.
+        # x = u + r/c, y += r; entry
         u, y, s = self.mlp_norms.update_entry(u, y, r, self.c, (x, self.attn_norms.post))
         r = self.feed_forward(s, inputs)
         return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed

@@ -35,9 +35,10 @@ class SublayerNorms(torch.nn.Module):
     applies the previous sublayer's update x = u + r / c, y = y + r and returns (u', y, s).
     Fused, the update keeps u, the old y and r for backward, not the updated streams; given
     ``u_from`` = (x0, norm) with u = norm(x0) (the previous entry's input and its Npost), it
-    keeps x0 and recomputes u instead. When x0 and y are halves of the layer input, which the
-    attention entry keeps anyway, the MLP entry then keeps only r, as a Pre-Norm layer keeps
-    its MLP norm's input h + r.
+    takes x0 instead and computes u itself, forward and backward, so the previous entry
+    stores no u at all (``store_u=False``). When x0 and y are halves of the layer input,
+    which the attention entry keeps anyway, the MLP entry then keeps only r, as a Pre-Norm
+    layer keeps its MLP norm's input h + r.
     """
 
     def __init__(self, build_norm, backend: NormBackend, *, post: bool = True,
@@ -49,27 +50,35 @@ class SublayerNorms(torch.nn.Module):
         # The kernels need a real Npost; without one this stays the composition.
         self.fused = fuse(backend, self.post, self.pre, self.inp) if post else None
 
-    def entry(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def entry(self, x: torch.Tensor, y: torch.Tensor,
+              store_u: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(u, s); fused without ``store_u``, u is None (a later entry computes it from x)."""
         if self.fused is not None:
-            return self.fused.entry(x, y)
+            return self.fused.entry(x, y, store_u)
         u = self.post(x)
         return u, self.inp(u + self.pre(y))
 
-    def entry_packed(self, packed: torch.Tensor):
+    def entry_packed(self, packed: torch.Tensor, store_u: bool = True):
         """(x, y, u, s): :meth:`entry` of the streams packed in a layer input. Fused, the
-        kernel takes the packed tensor and writes its gradient in one piece; y comes back as
-        an output of the entry, so the gradient the rest of the layer gives it joins the
-        packed gradient inside that kernel. x is for reading only (a recomputation of u)."""
+        kernel takes the packed tensor and writes its gradient in one piece; y (and x, when u
+        is not stored) come back as outputs of the entry, so the gradients the rest of the
+        layer gives them join the packed gradient inside that kernel (x is None when u is
+        stored)."""
         if self.fused is None:
             x, y = streams.unpack(packed)
             return (x, y, *self.entry(x, y))
-        u, _, y, s = self.fused.entry_packed(packed, streams.unpack)
-        return streams.unpack(packed.detach())[0], y, u, s
+        u, x, y, s = self.fused.entry_packed(packed, streams.unpack, store_u)
+        return x, y, u, s
 
-    def update_entry(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float,
+    def computes_u_from(self, norm: torch.nn.Module) -> bool:
+        """Whether :meth:`update_entry` given ``u_from`` = (x, ``norm``) computes u = norm(x)
+        itself (fused, with a norm like its own), so the previous entry need not store u."""
+        return self.fused is not None and self.fused.computes_like(norm)
+
+    def update_entry(self, u: torch.Tensor | None, y: torch.Tensor, r: torch.Tensor, c: float,
                      u_from: tuple[torch.Tensor, torch.nn.Module] | None = None):
         if self.fused is not None:
-            if u_from is not None and not self.fused.computes_like(u_from[1]):
+            if u is not None:  # stored by the previous entry: read it (u_from is for u None)
                 u_from = None
             return self.fused.update_entry(u, y, r, c, u_from)
         y = y + r
@@ -136,13 +145,13 @@ class TwoStreamLayer(SchemeLayer):
             return streams.start(hidden_states)
         return streams.unpack(hidden_states)
 
-    def enter(self, norms: SublayerNorms, hidden_states: torch.Tensor):
+    def enter(self, norms: SublayerNorms, hidden_states: torch.Tensor, store_u: bool = True):
         """(x, y, u, s): the streams of the layer input and ``norms``' entry of them
         (:meth:`SublayerNorms.entry_packed` past block 0)."""
         if self.layer_number == 1:
             x, y = streams.start(hidden_states)
-            return (x, y, *norms.entry(x, y))
-        return norms.entry_packed(hidden_states)
+            return (x, y, *norms.entry(x, y, store_u))
+        return norms.entry_packed(hidden_states, store_u)
 
     def streams_out(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """The last update, x = u + r / c_l and y = y + r, as the packed tensor the next layer

@@ -33,6 +33,7 @@ def _grads(monkeypatch, value: float, is_rms: bool, has_bias: bool) -> list[torc
     x, y, r = t(ROWS, HIDDEN), t(ROWS, HIDDEN), t(ROWS, HIDDEN)
     packed = t(ROWS, 2 * HIDDEN)
     update = triton_ops.Entry(1e-5, is_rms, scale=3.0)
+    from_x = triton_ops.Entry(1e-5, is_rms, scale=3.0, u_from_x=True)
     gate = triton_ops.Entry(1e-5, is_rms, store_a=False, gate=True, pass_x=True, pass_y=True)
     w = [t(HIDDEN) for _ in range(3)]
     b = [t(HIDDEN) for _ in range(3)] if has_bias else [None] * 3
@@ -41,8 +42,8 @@ def _grads(monkeypatch, value: float, is_rms: bool, has_bias: bool) -> list[torc
         triton_ops.add_norm(x, r, 2.5, w[0], b[0], 1e-5, is_rms),
         *triton_ops.EntryFunction.apply(update, None, None, x, y, r, w[0], b[0], w[1], b[1],
                                         w[2], b[2]),
-        *triton_ops.EntryFunction.apply(update, None, None, x, y, r, w[0], b[0], w[1], b[1],
-                                        w[2], b[2], x, w[2], b[2]),
+        *triton_ops.EntryFunction.apply(from_x, None, None, x, y, r, w[0], b[0], w[1], b[1],
+                                        w[2], b[2], w[2], b[2]),
         *triton_ops.EntryFunction.apply(gate, streams.unpack, packed, None, None, None,
                                         w[0], None, w[1], b[1], None, None),
     ]

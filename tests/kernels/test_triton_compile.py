@@ -30,10 +30,10 @@ def test_every_kernel_launch_compiles_for_sm90():
     assert {r["kernel"] for r in report} == KERNELS
     assert all(r["cubin_bytes"] > 0 for r in report)
     entry = {tuple(sorted(r["constexprs"].items())) for r in report if r["kernel"] == "entry_fwd"}
-    # (RMS, Layer with bias, Layer without) x (entry, entry without Nin, update+entry, gated
-    # entry, merge), each at one row per tile (hidden 2048) and, RMS and Layer with bias, at
-    # several (256)
-    assert len(entry) == 15 + 10
+    # (RMS, Layer with bias, Layer without) x (entry, entry without Nin, update+entry, the
+    # same computing u from the layer input, gated entry, merge), each at one row per tile
+    # (hidden 2048) and, RMS and Layer with bias, at several (256)
+    assert len(entry) == 18 + 12
     assert {r["constexprs"]["ROWS"] for r in report if r["kernel"] == "entry_fwd"} == {1, 8}
     assert {r["constexprs"]["ROWS"] for r in report if r["kernel"] == "norm_bwd"} == {2, 16}
     assert {tuple(r["dtypes"]) for r in report} >= {("*bf16", "*fp32"), ("*fp32",)}

@@ -184,15 +184,19 @@ def test_siamese_entry_from_packed(rows, hidden, kind, dtype, input_norm):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
-def test_siamese_entry_takes_the_packed_input(rows, hidden, kind, dtype):
+@pytest.mark.parametrize("store_u", [True, False], ids=["u", "no-u"])
+def test_siamese_entry_takes_the_packed_input(rows, hidden, kind, dtype, store_u):
     """The entry as a layer past block 0 makes it: the packed tensor whole, y handed back and
-    read again (its gradient joins the packed gradient inside the kernel), x only read."""
+    read again (its gradient joins the packed gradient inside the kernel); without u stored,
+    x handed back too (the MLP entry computes u from it)."""
     [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
 
     def op(t, m):
-        x, y, u, s = m.entry_packed(t[0])
-        assert m.fused is None or not x.requires_grad  # read by a recomputation only
-        return [y * 1.5, u, s]
+        x, y, u, s = m.entry_packed(t[0], store_u)
+        if store_u:
+            assert m.fused is None or x is None
+            return [y * 1.5, u, s]
+        return [x * 0.5, y * 1.5, s]
 
     assert_parity(sublayer(kind, hidden, dtype), op, [packed], dtype)
 
@@ -293,13 +297,17 @@ def attention_and_mlp(kind, hidden, dtype):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,hidden", SHAPES[1:])
 def test_mlp_entry_recomputing_u_from_the_layer_input(rows, hidden, kind, dtype):
-    """A SiameseNorm layer's entries as the layer chains them: the MLP entry keeps the layer
-    input's x instead of u and recomputes u = Npost(x) in backward."""
+    """A SiameseNorm layer's entries as the layer chains them: fused, the attention entry
+    stores no u and the MLP entry computes u = Npost(x) from the layer input's x, forward and
+    backward, sending u's gradient on to x and Npost's weights."""
     [packed] = inputs((rows, 1, 2 * hidden), dtype, 1)
     [r] = inputs((rows, 1, hidden), dtype, 1, seed=3)
 
     def op(t, m):
-        x, y, u, s = m.attn.entry_packed(t[0])
+        computed = m.mlp.computes_u_from(m.attn.post)
+        assert computed == (m.mlp.fused is not None)
+        x, y, u, s = m.attn.entry_packed(t[0], store_u=not computed)
+        assert (u is None) == computed
         return [s, *m.mlp.update_entry(u, y, t[1], 2.0 ** 0.5, (x, m.attn.post))]
 
     assert_parity(attention_and_mlp(kind, hidden, dtype), op, [packed, r], dtype)
