@@ -10,9 +10,11 @@ point of fusing is to read each input row once and write each output row once:
   kernel first applies the previous sublayer's dual update, ``x = u + r / c``, ``y = y + r``
   (y is written out, x only feeds the norm), so an attention update and the MLP entry cost one
   pass. Its backward re-derives both sums from what the layer keeps anyway, the layer input's
-  y and the branch output r, and u, which with ``RECOMPUTE_U`` it recomputes too, as the
-  previous entry's ``u = Npost(x)`` from that entry's input x: the update then keeps one
-  tensor, r, where storing the sums would keep two. Without ``HAS_C`` the input norm Nc is the
+  y and the branch output r, and u; with ``RECOMPUTE_U`` u is never stored: forward and
+  backward compute it as the previous entry's ``u = Npost(x)`` from that entry's input x
+  (a half of the layer input), and backward sends u's gradient on through Npost to x and
+  Npost's weights. The update then keeps one tensor, r, where storing the sums would keep
+  two, and the attention entry writes no u. Without ``HAS_C`` the input norm Nc is the
   identity (the paper's ablation).
 - ``dual_update``: the layer's last update, written straight into the two halves of the packed
   tensor that layers exchange; its backward reads the two halves of the packed gradient and
