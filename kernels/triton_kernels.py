@@ -345,7 +345,7 @@ def dual_update_fwd(
 
 @triton.jit
 def dual_update_bwd(
-    gx_ptr, gy_ptr, g_stride, dr_ptr, n_rows, n_cols, scale,
+    gx_ptr, gy_ptr, gx_stride, gy_stride, dr_ptr, n_rows, n_cols, scale,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """dr = gx / c + gy, the branch output's gradient, read from the two strided halves of the
@@ -353,8 +353,8 @@ def dual_update_bwd(
     rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
-    gx = _load(gx_ptr, g_stride, rows, cols, mask).to(tl.float32)
-    gy = _load(gy_ptr, g_stride, rows, cols, mask).to(tl.float32)
+    gx = _load(gx_ptr, gx_stride, rows, cols, mask).to(tl.float32)
+    gy = _load(gy_ptr, gy_stride, rows, cols, mask).to(tl.float32)
     _store(dr_ptr, n_cols, rows, cols, mask, gx / scale + gy)
 
 

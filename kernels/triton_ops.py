@@ -22,7 +22,8 @@ from kernels import triton_kernels as kern
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., h] as 2-D rows with unit column stride; a view whenever the layout allows."""
+    """[..., h] as 2-D rows with unit column stride; a view whenever the layout allows (the
+    kernels read rows with their own stride, so a half of a packed tensor is not copied)."""
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
@@ -55,24 +56,6 @@ def _launch_args(n_cols: int, tile: int = FORWARD_TILE, max_warps: int = MAX_WAR
     return {"BLOCK": block, "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), cap)}
 
 
-def _programs(kernel: triton.JITFunction, n_rows: int, device: torch.device,
-              run: Callable[[Callable, torch.Tensor, int], object]) -> int:
-    """Programs of a backward launch of ``kernel`` over ``n_rows`` rows, which the op makes as
-    ``run(kernel[(programs,)], partials, rows_per_program)``: one wave of the kernel as Triton
-    compiles it for this launch on a GPU, a few in the interpreter
-    (:func:`kernels.occupancy.launch_programs`).
-
-    The grid comes first (it sizes the partials and the rows per program), so ``run`` gives
-    the launch's arguments with stand-ins for those two: an empty fp32 tensor and the 16-row
-    floor. Triton specialises pointers on 16-byte alignment and integers on being 1 or a
-    multiple of 16, so the stand-ins may pick a variant whose hints differ from the launch's;
-    the rows per program only bound the row loop and the partials take one store per slot,
-    so no register count that matters changes."""
-    stand_in = torch.empty(0, dtype=torch.float32, device=device)
-    args, kwargs = run(_arguments, stand_in, occupancy.MIN_ROWS_PER_PROGRAM)
-    return occupancy.launch_programs(kernel, n_rows, device, args, kwargs)
-
-
 def _arguments(*args, **kwargs) -> tuple[tuple, dict]:
     """Stands in for a kernel launch: what it was given."""
     return args, kwargs
@@ -88,12 +71,22 @@ def weight_grad_partials(programs: int, slots: int, width: int,
 
 
 def _backward(kernel: triton.JITFunction, n_rows: int, device: torch.device, slots: int,
-              width: int, run: Callable) -> torch.Tensor:
+              width: int, run: Callable[[Callable, torch.Tensor, int], object]) -> torch.Tensor:
     """Launches a row-looping backward ``kernel`` over ``n_rows`` rows as
-    ``run(kernel[grid], partials, rows_per_program)`` on a grid sized by :func:`_programs`,
-    and returns its weight-gradient partials (``slots`` x ``width`` per program; zeros when
-    there is no row, so no launch)."""
-    programs = _programs(kernel, n_rows, device, run)
+    ``run(kernel[(programs,)], partials, rows_per_program)`` and returns its weight-gradient
+    partials (``slots`` x ``width`` per program; zeros when there is no row, so no launch).
+
+    ``programs`` is one wave of the kernel as Triton compiles it for this launch on a GPU, a
+    few in the interpreter (:func:`kernels.occupancy.launch_programs`). The grid comes first
+    (it sizes the partials and the rows per program), so ``run`` gives the launch's arguments
+    with stand-ins for those two: an empty fp32 tensor and the 16-row floor. Triton
+    specialises pointers on 16-byte alignment and integers on being 1 or a multiple of 16, so
+    the stand-ins may pick a variant whose hints differ from the launch's; the rows per
+    program only bound the row loop and the partials take one store per slot, so no register
+    count that matters changes."""
+    stand_in = torch.empty(0, dtype=torch.float32, device=device)
+    args, kwargs = run(_arguments, stand_in, occupancy.MIN_ROWS_PER_PROGRAM)
+    programs = occupancy.launch_programs(kernel, n_rows, device, args, kwargs)
     partials = weight_grad_partials(programs, slots, width, device)
     if not n_rows:
         return partials.zero_()
@@ -106,13 +99,6 @@ def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
     None where the launch has no such parameter, past the last slot too)."""
     sums = partials.sum(0)
     return [None if p is None else sums[i].to(p.dtype) for i, p in enumerate(params)]
-
-
-def _grad_rows(grad: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """An incoming gradient as rows the kernels read in place, strided or not (a half of a
-    packed gradient is); a copy only when its rows are not contiguous."""
-    rows = grad.reshape(-1, n_cols)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 class NormFunction(torch.autograd.Function):
@@ -142,7 +128,7 @@ class NormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         rows, res, weight, stats = ctx.saved_tensors
         n_rows, n_cols = rows.shape
-        g = _grad_rows(grad, n_cols)
+        g = _rows(grad)
         dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
         dr = torch.empty_like(dx) if ctx.has_residual else dx
         launch = _launch_args(n_cols, NORM_BACKWARD_TILE, MAX_BACKWARD_WARPS)
@@ -243,10 +229,10 @@ class EntryFunction(torch.autograd.Function):
         kind, update = ctx.kind, ctx.update
         n_rows, n_cols = xr.shape
         has_gy = update or kind.pass_y
-        gs = _grad_rows(grad_s, n_cols)
-        ga = _grad_rows(grad_a, n_cols) if kind.store_a else gs
-        gy = _grad_rows(grad_y, n_cols) if has_gy else gs
-        gx = _grad_rows(grad_x, n_cols) if kind.pass_x else gs
+        gs = _rows(grad_s)
+        ga = _rows(grad_a) if kind.store_a else gs
+        gy = _rows(grad_y) if has_gy else gs
+        gx = _rows(grad_x) if kind.pass_x else gs
         dpacked = None
         if ctx.packed_shape is not None:
             dpacked = xr.new_empty(ctx.packed_shape)
@@ -312,15 +298,14 @@ class DualUpdateFunction(torch.autograd.Function):
     def backward(ctx, grad):
         gx, gy = ctx.halves(grad)
         n_cols = gx.shape[-1]
-        gxr, gyr = _grad_rows(gx, n_cols), _grad_rows(gy, n_cols)
-        if gxr.stride(0) != gyr.stride(0):
-            gxr, gyr = gxr.contiguous(), gyr.contiguous()
+        gxr, gyr = _rows(gx), _rows(gy)
         n_rows = gxr.shape[0]
         dr = torch.empty((n_rows, n_cols), dtype=grad.dtype, device=grad.device)
         if n_rows:
             launch = _launch_args(n_cols)
             kern.dual_update_bwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-                gxr, gyr, gxr.stride(0), dr, n_rows, n_cols, ctx.scale, **launch)
+                gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols, ctx.scale,
+                **launch)
         return gx, gy, dr.view(gx.shape), None, None, None
 
 
