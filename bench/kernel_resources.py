@@ -40,7 +40,14 @@ from triton.backends.nvidia.compiler import get_ptxas
 from bench.common import int_list, markdown_table, versions_line
 from bench.triton_launches import NORMS, Case, arg_type, compile_launch, record_launches
 from kernels import triton_kernels
-from kernels.occupancy import SHARED_KIB, Resources, backward_programs, programs_per_sm
+from kernels.occupancy import (
+    SHARED_KIB,
+    Resources,
+    arch_limits,
+    backward_programs,
+    fit,
+    programs_per_sm,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NORM_NAMES = {Case(torch.float32, rms, bias, 0).norm: (rms, bias) for rms, bias in NORMS}
@@ -81,6 +88,24 @@ def launch_resources(name: str, args: tuple, kwargs: dict, arch: int) -> Resourc
     return _MEASURED[key]
 
 
+def fitted_resources(name: str, args: tuple, kwargs: dict,
+                     arch: int) -> tuple[Resources, int | None]:
+    """:func:`launch_resources` of a recorded launch as the ops compile it, and its register
+    cap: a backward kernel (one that loops over rows into partials) is capped to fit two
+    programs per SM where that compiles without a spill (``kernels.occupancy.fit``, the rule
+    the ops apply on a GPU); None: the compiler's choice."""
+    found = launch_resources(name, args, kwargs, arch)
+    if PARTIALS_ARG not in getattr(triton_kernels, name).arg_names:
+        return found, None
+    chosen = fit(found, lambda cap: launch_resources(name, args, {**kwargs, "maxnreg": cap},
+                                                     arch),
+                 kwargs["num_warps"], arch_limits(arch))
+    if chosen.maxnreg is None:
+        return found, None
+    return launch_resources(name, args, {**kwargs, "maxnreg": chosen.maxnreg},
+                            arch), chosen.maxnreg
+
+
 def grid(kernel: str, constexprs: dict, rows: int, sms: int, resident: int) -> int:
     """Programs a launch over ``rows`` rows starts, by the ops' own grid rules: a kernel that
     loops over rows into weight-gradient partials one wave of its ``resident`` programs per
@@ -101,14 +126,14 @@ def measure(cases: list[Case], arches: list[int], rows: int, sms: int) -> list[d
         constexprs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
         num_warps = kwargs["num_warps"]
         for arch in arches:
-            found = launch_resources(name, args, kwargs, arch)
+            found, maxnreg = fitted_resources(name, args, kwargs, arch)
             resident = programs_per_sm(found, num_warps, arch)
             programs = grid(name, constexprs, rows, sms, resident)
             out.append({
                 "arch": arch, "kernel": name, "variant": _variant(name, constexprs),
                 "norm": case.norm, "dtype": "bf16" if case.dtype == torch.bfloat16 else "fp32",
                 "hidden": case.hidden, "tile": _tile(constexprs), "num_warps": num_warps,
-                "constexprs": constexprs,
+                "maxnreg": maxnreg, "constexprs": constexprs,
                 **found._asdict(),
                 "programs_per_sm": resident, "grid": programs,
                 "waves": programs / (resident * sms),
@@ -132,9 +157,9 @@ def _tile(constexprs: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     header = ["sm", "kernel", "variant", "norm", "dtype", "hidden", "tile", "warps",
-              "regs", "spills st/ld B", "shared KiB", "programs/SM", "grid", "waves"]
+              "reg cap", "regs", "spills st/ld B", "shared KiB", "programs/SM", "grid", "waves"]
     body = [[str(r["arch"]), r["kernel"], r["variant"], r["norm"], r["dtype"], str(r["hidden"]),
-             r["tile"], str(r["num_warps"]), str(r["registers"]),
+             r["tile"], str(r["num_warps"]), str(r["maxnreg"] or "-"), str(r["registers"]),
              f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.1f}",
              str(r["programs_per_sm"]), f"{r['grid']:,}", f"{r['waves']:.2f}"] for r in rows]
     return markdown_table(header, body, right_from=5)

@@ -174,8 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--detail", default=",".join(DETAIL),
                    help="schemes whose ops and lines are listed")
     p.add_argument("--layers", type=int, default=2, help="the smaller model's layers")
-    p.add_argument("--sms", type=int, default=132, help="SMs the backward grids are sized for (0: this machine's grid, no "
-                   "compile)")
+    p.add_argument("--sms", type=int, default=132,
+                   help="SMs the backward grids are sized for (0: this machine's grid, no "
+                        "compile)")
     return p.parse_args(argv)
 
 

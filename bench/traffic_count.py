@@ -33,8 +33,8 @@ WRITE_ONLY = frozenset({"fill_", "zero_", "normal_", "uniform_", "random_", "ber
 
 # What each Triton kernel loads and stores: "argument r|w [CONSTEXPR ...]", where the
 # constexprs listed must all be true (a "!" before one: false) for the kernel to touch the
-# argument (the ops pass some tensor as a placeholder for an absent input or output). Held to the kernels' signatures by
-# tests/bench/test_traffic.py.
+# argument (the ops pass some tensor as a placeholder for an absent input or output). Held to
+# the kernels' signatures by tests/bench/test_traffic.py.
 KERNEL_ROLES = {
     "norm_fwd": ("x_ptr r", "r_ptr r HAS_RESIDUAL", "w_ptr r", "b_ptr r HAS_BIAS",
                  "out_ptr w", "stats_ptr w"),

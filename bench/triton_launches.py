@@ -159,7 +159,7 @@ def _divisibility(args: tuple) -> dict:
 
 def compile_launch(name: str, args: tuple, kwargs: dict, arch: int):
     kernel = getattr(triton_kernels, name)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     names = kernel.arg_names
     if set(names[len(args):]) != set(kwargs):
         raise TypeError(f"{name}: constexprs {sorted(kwargs)} != {names[len(args):]}")

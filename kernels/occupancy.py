@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -40,6 +41,10 @@ WARP = 32  # threads per warp on NVIDIA GPUs
 MIN_ROWS_PER_PROGRAM = 16
 # Programs of an interpreted backward (no GPU): a few, so tests see several partials summed.
 INTERPRETED_PROGRAMS = 4
+# Programs per SM a backward kernel is held to where its compiler can fit them without
+# spilling: with one, each row's reductions (a barrier each) stall every warp on the SM at
+# once; a second program's warps run meanwhile.
+TARGET_PROGRAMS = 2
 
 
 class Resources(NamedTuple):
@@ -97,6 +102,41 @@ def resident_per_sm(registers: int, shared: int, num_warps: int, limits: Limits)
     return min(by_registers, limits.max_warps // num_warps, by_shared, limits.max_programs)
 
 
+def register_cap(num_warps: int, limits: Limits, programs: int = TARGET_PROGRAMS) -> int:
+    """The most registers a thread may use for ``programs`` programs of ``num_warps`` warps to
+    share an SM's register file, by the allocation rule of :func:`resident_per_sm` (a
+    multiple of 8; 255 at most, the most a thread can address)."""
+    per_warp = limits.registers // (programs * num_warps) // 256 * 256
+    return min(per_warp // WARP // 8 * 8, 255)
+
+
+class Fit(NamedTuple):
+    """How a backward kernel is compiled and how many of its programs an SM then holds."""
+
+    resident: int  # programs per SM
+    maxnreg: int | None  # the register cap it is compiled with; None: the compiler's choice
+
+
+def fit(chosen: Resources, capped: Callable[[int], Resources], num_warps: int,
+        limits: Limits) -> Fit:
+    """:class:`Fit` of a backward kernel that compiles to ``chosen`` when the compiler picks
+    its registers, and to ``capped(cap)`` when held to ``cap`` registers a thread. The
+    compiler's choice where it already fits :data:`TARGET_PROGRAMS` programs per SM;
+    otherwise capped to fit them, if the capped kernel does not spill (ptxas takes registers
+    freely under the 255 ceiling, for loads in flight it need not hold: at hidden 2048 the
+    LayerNorm entry backwards take 166-245 and fit 128 without spilling); otherwise the
+    compiler's choice, since a spill costs local-memory traffic on every row."""
+    resident = resident_per_sm(chosen.registers, chosen.shared, num_warps, limits)
+    if resident >= TARGET_PROGRAMS:
+        return Fit(resident, None)
+    cap = register_cap(num_warps, limits)
+    found = capped(cap)
+    fitted = resident_per_sm(found.registers, found.shared, num_warps, limits)
+    if found.spill_stores or found.spill_loads or fitted <= resident:
+        return Fit(resident, None)
+    return Fit(fitted, cap)
+
+
 def programs_per_sm(resources: Resources, num_warps: int, arch: int) -> int:
     """:func:`resident_per_sm` of a kernel compiled for ``sm_ARCH``, on that architecture's
     SM."""
@@ -118,17 +158,12 @@ def interpreted_programs(n_rows: int) -> int:
     return max(1, min(n_rows, INTERPRETED_PROGRAMS))
 
 
-def compiled_programs_per_sm(compiled: Any, props: Any) -> int:
-    """:func:`resident_per_sm` of a Triton ``CompiledKernel`` whose handles are initialised (so
-    the driver has filled ``n_regs``), on the device torch describes with ``props``. Its warps
-    and shared memory come from its own metadata, as Triton compiled it."""
-    metadata = compiled.metadata
-    found = resident_per_sm(compiled.n_regs, metadata.shared, metadata.num_warps,
-                            device_limits(props))
-    # A kernel the compiler built for this device runs at least one program per SM (ptxas
-    # caps registers by the warps); a 0 here would be a limit torch misreports, and would
-    # shrink the grid to a single program.
-    return max(found, 1)
+def compiled_resources(compiled: Any) -> Resources:
+    """:class:`Resources` of a Triton ``CompiledKernel`` whose handles are initialised (so the
+    driver has filled ``n_regs`` and ``n_spills``, its local memory a thread, which is where
+    spills go)."""
+    return Resources(compiled.n_regs, compiled.n_spills, compiled.n_spills,
+                     compiled.metadata.shared)
 
 
 def _index(device: torch.device) -> int:
@@ -151,39 +186,60 @@ def _arg_key(value: Any) -> Any:
     return type(value)
 
 
-_RESIDENT: dict[tuple, int] = {}
+_FITS: dict[tuple, Fit] = {}
 
 
-def resident_programs(kernel: Any, args: tuple, kwargs: dict, device: torch.device) -> int:
-    """Programs per SM of ``kernel`` (a ``@triton.jit`` function) as Triton compiles it for the
-    launch ``kernel[grid](*args, **kwargs)`` on CUDA ``device``: compiled, not launched
-    (``warmup``), its module loaded so the driver reports its registers, then
-    :func:`compiled_programs_per_sm`. Cached per kernel, argument specialisation, constexprs
-    and device, so a launch pays this once."""
+def _compile(kernel: Any, args: tuple, kwargs: dict, index: int) -> Any:
+    """``kernel`` compiled for the launch ``kernel[grid](*args, **kwargs)`` on CUDA device
+    ``index``, not launched (``warmup``), its module loaded: loading is what fills
+    ``n_regs`` and ``n_spills`` (the driver reports them, the compiler's metadata does
+    not)."""
+    with torch.cuda.device(index):  # Triton compiles and loads for the current device
+        compiled = kernel.warmup(*args, grid=(1,), **kwargs)
+        compiled._init_handles()
+    return compiled
+
+
+def resident_programs(kernel: Any, args: tuple, kwargs: dict, device: torch.device) -> Fit:
+    """:func:`fit` of ``kernel`` (a ``@triton.jit`` function) as Triton compiles it for the
+    launch ``kernel[grid](*args, **kwargs)`` on CUDA ``device``, with the device's limits;
+    at least one program per SM (:func:`compiled_programs_per_sm`). Cached per kernel,
+    argument specialisation, constexprs and device, so a launch pays its one or two compiles
+    once."""
     index = _index(device)
     key = (kernel, index, tuple(_arg_key(a) for a in args), tuple(sorted(kwargs.items())))
-    found = _RESIDENT.get(key)
+    found = _FITS.get(key)
     if found is None:
-        with torch.cuda.device(index):  # Triton compiles and loads for the current device
-            compiled = kernel.warmup(*args, grid=(1,), **kwargs)
-            # Loading the module is what fills n_regs: the driver reports registers, the
-            # compiler's metadata does not.
-            compiled._init_handles()
-        found = compiled_programs_per_sm(compiled, torch.cuda.get_device_properties(index))
-        _RESIDENT[key] = found
+        compiled = _compile(kernel, args, kwargs, index)
+        props = torch.cuda.get_device_properties(index)
+        found = fit(compiled_resources(compiled),
+                    lambda cap: compiled_resources(
+                        _compile(kernel, args, {**kwargs, "maxnreg": cap}, index)),
+                    compiled.metadata.num_warps, device_limits(props))
+        found = found._replace(resident=max(found.resident, 1))
+        _FITS[key] = found
     return found
 
 
+class Launch(NamedTuple):
+    """A backward launch: its programs and the options it compiles with (a register cap)."""
+
+    programs: int
+    options: dict
+
+
 def launch_programs(kernel: Any, n_rows: int, device: torch.device, args: tuple,
-                    kwargs: dict) -> int:
-    """Programs of the backward launch ``kernel[(programs,)](*args, **kwargs)`` over ``n_rows``
-    rows on ``device``: one wave of the compiled kernel on a GPU (:func:`backward_programs`
-    of :func:`resident_programs`), :func:`interpreted_programs` without one. Nothing is
-    compiled for a launch without rows (the ops skip it)."""
+                    kwargs: dict) -> Launch:
+    """:class:`Launch` of the backward ``kernel[(programs,)](*args, **kwargs, **options)``
+    over ``n_rows`` rows on ``device``: one wave of the compiled kernel on a GPU
+    (:func:`backward_programs` of :func:`resident_programs`, with its register cap), and
+    :func:`interpreted_programs` without one. Nothing is compiled for a launch without rows
+    (the ops skip it)."""
     if device.type != "cuda":
-        return interpreted_programs(n_rows)
+        return Launch(interpreted_programs(n_rows), {})
     if not n_rows:
-        return 1
+        return Launch(1, {})
     index = _index(device)
-    return backward_programs(n_rows, sm_count(index),
-                             resident_programs(kernel, args, kwargs, device))
+    found = resident_programs(kernel, args, kwargs, device)
+    options = {} if found.maxnreg is None else {"maxnreg": found.maxnreg}
+    return Launch(backward_programs(n_rows, sm_count(index), found.resident), options)

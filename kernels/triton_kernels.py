@@ -58,10 +58,12 @@ def _tile_rows(first, end, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _load(ptr, stride, rows, cols, mask):
+def _load(ptr, stride, rows, cols, mask, EVICT: tl.constexpr = ""):
     """[ROWS, BLOCK] tile of a tensor whose rows are contiguous, ``stride`` apart; 0 outside
-    ``mask``."""
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    ``mask``. ``EVICT``: the cache eviction hint (a row read again soon, or for the last
+    time)."""
+    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0,
+                   eviction_policy=EVICT)
 
 
 @triton.jit
@@ -108,10 +110,13 @@ def _reload_hat(v, mask, stats_ptr, rows, row_mask, WIDTH: tl.constexpr, slot: t
 
 
 @triton.jit
-def _affine(v_hat, w_ptr, b_ptr, cols, col_mask, HAS_BIAS: tl.constexpr):
-    out = v_hat * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+def _affine(v_hat, w_ptr, b_ptr, cols, col_mask, HAS_BIAS: tl.constexpr,
+            EVICT: tl.constexpr = ""):
+    out = v_hat * tl.load(w_ptr + cols, mask=col_mask, other=0.0,
+                          eviction_policy=EVICT).to(tl.float32)[None, :]
     if HAS_BIAS:
-        out += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out += tl.load(b_ptr + cols, mask=col_mask, other=0.0,
+                       eviction_policy=EVICT).to(tl.float32)[None, :]
     return out
 
 
@@ -196,6 +201,53 @@ def _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: t
 
 
 @triton.jit
+def _hat(v, mask, mean, rstd, IS_RMS: tl.constexpr):
+    """v normalised with given per-row statistics (fp32)."""
+    if IS_RMS:
+        return v * rstd[:, None]
+    return tl.where(mask, (v - mean[:, None]) * rstd[:, None], 0.0)
+
+
+@triton.jit
+def _entry_x_hat(x, r, wu_ptr, bu_ptr, stats_ptr, rows, row_mask, cols, col_mask, mask, mean_u,
+                 rstd_u, scale, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 UPDATE: tl.constexpr, RECOMPUTE_U: tl.constexpr, GATE: tl.constexpr):
+    """The entry backward's x_hat and Na's rstd of a tile of x as forward computed them: x,
+    or with UPDATE u + r / c (u itself Npost(x0) with RECOMPUTE_U, ``x`` then x0, from its
+    statistics); with GATE x itself (the gate's gradient is sum(g x), a norm's with x for
+    x_hat; rstd unused)."""
+    if UPDATE:
+        if RECOMPUTE_U:
+            x = _affine(_hat(x.to(tl.float32), mask, mean_u, rstd_u, IS_RMS), wu_ptr, bu_ptr,
+                        cols, col_mask, HAS_BIAS).to(x.dtype)
+        x = _add_branch(x, r, scale)
+    if GATE:
+        x_hat, rstd = x.to(tl.float32), rstd_u
+    else:
+        x_hat, rstd = _reload_hat(x.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 0,
+                                  IS_RMS)
+    return x_hat, rstd
+
+
+@triton.jit
+def _entry_y_hat(y, r, stats_ptr, rows, row_mask, mask, IS_RMS: tl.constexpr,
+                 UPDATE: tl.constexpr):
+    """The entry backward's y_hat and Nb's rstd of a tile of y: y, or with UPDATE y + r."""
+    if UPDATE:
+        y = _add_branch(y, r, 1.0)
+    return _reload_hat(y.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 1, IS_RMS)
+
+
+@triton.jit
+def _branch(r_ptr, r_stride, rows, cols, mask, UPDATE: tl.constexpr, EVICT: tl.constexpr):
+    """The branch output r of an UPDATE entry (fp32), else 0."""
+    r = 0.0
+    if UPDATE:
+        r = _load(r_ptr, r_stride, rows, cols, mask, EVICT).to(tl.float32)
+    return r
+
+
+@triton.jit
 def _weight(w_ptr, cols, col_mask):
     """A norm weight as an fp32 [1, BLOCK] row. Backward kernels load it where it is used, once
     per tile (a cache hit after the first), rather than holding it in registers across the
@@ -217,7 +269,7 @@ def entry_bwd(
     n_rows, n_cols, rows_per_program, scale, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
     HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, GATE: tl.constexpr, HAS_GX: tl.constexpr,
-    HAS_GY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_GY: tl.constexpr, RELOAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Gradients of :func:`entry_fwd`. ``gs``/``ga`` are the gradients of the outputs s and a,
     ``gy`` (``HAS_GY``) one added to y's: that of y_out with UPDATE, else that of y itself
@@ -229,7 +281,14 @@ def entry_bwd(
     that of the old y and dr = du / c + dy that of the branch output r. ``dw`` receives this
     program's partial sums of the weight gradients (wa, wb, wc, and wu with RECOMPUTE_U),
     then with HAS_BIAS the bias gradients (ba, bb, bc, bu), each ``n_cols`` long: RMSNorm
-    keeps three or four accumulators, not six or eight."""
+    keeps three or four accumulators, not six or eight.
+
+    ``RELOAD`` (with HAS_C, for wide rows): after Nc's reductions, each stream's row is read
+    (and its update recomputed) again where its side needs it, rather than held normalised
+    across them. The second reads are cache hits; the two reads carry different eviction
+    hints (kept, then last use), which is also what keeps the compiler from merging them
+    back into one held value."""
+    KEEP: tl.constexpr = "evict_last" if RELOAD else ""  # the first reads, with RELOAD
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -250,37 +309,40 @@ def entry_bwd(
     for first in range(start, end, ROWS):
         rows, row_mask = _tile_rows(first, end, ROWS)
         mask = row_mask[:, None] & col_mask[None, :]
-        x = _load(x_ptr, x_stride, rows, cols, mask)
-        y = _load(y_ptr, y_stride, rows, cols, mask)
-        if UPDATE:
-            if RECOMPUTE_U:
-                u_hat, mean_u, rstd_u = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
-                x = _affine(u_hat, wu_ptr, bu_ptr, cols, col_mask, HAS_BIAS).to(x.dtype)
-            r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
-            x = _add_branch(x, r, scale)
-            y = _add_branch(y, r, 1.0)
-        if GATE:
-            x_hat = x.to(tl.float32)  # a = x wa: wa's gradient is sum(g_a x), as a norm's
-        else:
-            x_hat, rstd_a = _reload_hat(x.to(tl.float32), mask, stats_ptr, rows, row_mask, 6,
-                                        0, IS_RMS)
-        y_hat, rstd_b = _reload_hat(y.to(tl.float32), mask, stats_ptr, rows, row_mask, 6, 1,
-                                    IS_RMS)
+        x = _load(x_ptr, x_stride, rows, cols, mask, KEEP)
+        y = _load(y_ptr, y_stride, rows, cols, mask, KEEP)
+        r = _branch(r_ptr, r_stride, rows, cols, mask, UPDATE, KEEP)
+        mean_u = 0.0
+        rstd_u = 1.0
+        if RECOMPUTE_U:  # Npost's statistics of x0, for each recomputation of u
+            _, mean_u, rstd_u = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
+        x_hat, rstd_a = _entry_x_hat(x, r, wu_ptr, bu_ptr, stats_ptr, rows, row_mask, cols,
+                                     col_mask, mask, mean_u, rstd_u, scale, IS_RMS, HAS_BIAS,
+                                     UPDATE, RECOMPUTE_U, GATE)
+        y_hat, rstd_b = _entry_y_hat(y, r, stats_ptr, rows, row_mask, mask, IS_RMS, UPDATE)
         g_z = _load(gs_ptr, gs_stride, rows, cols, mask).to(tl.float32)
         if HAS_C:
-            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS and not GATE)
-                 + _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS))
+            z = (_affine(x_hat, wa_ptr, ba_ptr, cols, col_mask, HAS_BIAS and not GATE, KEEP)
+                 + _affine(y_hat, wb_ptr, bb_ptr, cols, col_mask, HAS_BIAS, KEEP))
             z_hat, rstd_c = _reload_hat(z, mask, stats_ptr, rows, row_mask, 6, 2, IS_RMS)
             acc_wc += tl.sum(g_z * z_hat, axis=0)
             if HAS_BIAS:
                 acc_bc += tl.sum(g_z, axis=0)
             g_z = _input_grad(g_z * _weight(wc_ptr, cols, col_mask), z_hat, rstd_c, n_cols,
                               IS_RMS)
+            if RELOAD:  # x's row again, after Nc's reductions (see the docstring)
+                x_hat, rstd_a = _entry_x_hat(
+                    _load(x_ptr, x_stride, rows, cols, mask, "evict_first"),
+                    _branch(r_ptr, r_stride, rows, cols, mask, UPDATE, "evict_first"), wu_ptr,
+                    bu_ptr, stats_ptr, rows, row_mask, cols, col_mask, mask, mean_u, rstd_u,
+                    scale, IS_RMS, HAS_BIAS, UPDATE, RECOMPUTE_U, GATE)
+        # x's side: Na (or the gate)
         g_a = g_z
         if STORE_A:
             g_a += _load(ga_ptr, ga_stride, rows, cols, mask).to(tl.float32)
         acc_wa += tl.sum(g_a * x_hat, axis=0)
-        acc_wb += tl.sum(g_z * y_hat, axis=0)
+        if not (RELOAD and HAS_C):  # y_hat held: its sums where the compiler had them
+            acc_wb += tl.sum(g_z * y_hat, axis=0)
         if HAS_BIAS:
             acc_ba += tl.sum(g_a, axis=0)
             acc_bb += tl.sum(g_z, axis=0)
@@ -291,19 +353,21 @@ def entry_bwd(
                              IS_RMS)
         if HAS_GX:
             dx += _load(gx_ptr, gx_stride, rows, cols, mask).to(tl.float32)
+        # y's side: Nb
+        if RELOAD and HAS_C:  # y's row again
+            y_hat, rstd_b = _entry_y_hat(
+                _load(y_ptr, y_stride, rows, cols, mask, "evict_first"),
+                _branch(r_ptr, r_stride, rows, cols, mask, UPDATE, "evict_first"), stats_ptr,
+                rows, row_mask, mask, IS_RMS, UPDATE)
+            acc_wb += tl.sum(g_z * y_hat, axis=0)
         dy = _input_grad(g_z * _weight(wb_ptr, cols, col_mask), y_hat, rstd_b, n_cols, IS_RMS)
         if HAS_GY:
             dy += _load(gy_ptr, gy_stride, rows, cols, mask).to(tl.float32)
         if UPDATE:
             _store(dr_ptr, n_cols, rows, cols, mask, dx / scale + dy)
             if RECOMPUTE_U:  # u = Npost(x0): on to x0 and Npost's weights
-                # x0's normalised row again from x0 (a cache hit) and its two statistics:
-                # holding it across the row's work would cost a row of registers
-                u_hat = _load(x_ptr, x_stride, rows, cols, mask).to(tl.float32)
-                if IS_RMS:
-                    u_hat = u_hat * rstd_u[:, None]
-                else:
-                    u_hat = tl.where(mask, (u_hat - mean_u[:, None]) * rstd_u[:, None], 0.0)
+                u_hat = _hat(_load(x_ptr, x_stride, rows, cols, mask).to(tl.float32), mask,
+                             mean_u, rstd_u, IS_RMS)
                 acc_wu += tl.sum(dx * u_hat, axis=0)
                 if HAS_BIAS:
                     acc_bu += tl.sum(dx, axis=0)

@@ -38,21 +38,34 @@ MAX_ROWS = 32
 
 
 # Warps of a row kernel at most: forward kernels keep a row's few live values in 8 warps at
-# every width; a backward pass holds about ten fp32 values per column of its tile plus its
-# weight-gradient accumulators, which from hidden 4096 on spill out of 8 warps' registers, so
-# its warps grow with the row, to 16 (no spill at 4096; at 8192 the entry's backward still
-# spills, far less: ``bench.kernel_resources``).
+# every width; the entry's backward holds about ten fp32 values per column of its tile plus up
+# to eight weight-gradient accumulators, which from hidden 4096 on spill out of 8 warps'
+# registers, so its warps grow with the row, to 16 (at 4096 only LayerNorm with bias still
+# spills; at 8192 most variants do: ``bench.kernel_resources``).
 MAX_WARPS, MAX_BACKWARD_WARPS = 8, 16
+# The plain norm's backward holds fewer rows of values (one or two accumulators): 8 warps keep
+# a 4096-wide row in 64-119 registers, two or more programs per SM, where 16 warps would hold
+# one (its warps grow past 8 from 8192 on).
+NORM_BACKWARD_WARP_VALUES = 512
+
+# Row width from which the entry's backward reads each stream's row a second time after Nc's
+# reductions (a cache hit) instead of holding it normalised across them: two rows of
+# registers fewer where a program's register file holds about eight fp32 rows (8192: spilled
+# bytes at least halved on sm_90, ``bench.kernel_resources``); narrower rows fit either way,
+# and there the extra reads cost more registers than they free.
+RELOAD_FROM = 8192
 
 
-def _launch_args(n_cols: int, tile: int = FORWARD_TILE, max_warps: int = MAX_WARPS) -> dict:
+def _launch_args(n_cols: int, tile: int = FORWARD_TILE, max_warps: int = MAX_WARPS,
+                 warp_values: int = 256) -> dict:
     """BLOCK (a power of two covering the row), ROWS per tile (filling ``tile`` values) and
-    warps (one per 256 values of the tile, 1 to 8, up to ``max_warps`` where one row holds
-    more than 2048 values) of a row kernel: a fixed function of the hidden size, so every run
-    makes the same launches and sums in the same order."""
+    warps (one per 256 values of the tile, 1 to 8; up to ``max_warps``, one per
+    ``warp_values`` values of a row, where a row holds more than 8 x ``warp_values``) of a
+    row kernel: a fixed function of the hidden size, so every run makes the same launches
+    and sums in the same order."""
     block = triton.next_power_of_2(n_cols)
     rows = min(max(tile // block, 1), MAX_ROWS)
-    cap = max(MAX_WARPS, min(max_warps, block // 256))  # more than 8 only for a longer row
+    cap = max(MAX_WARPS, min(max_warps, block // warp_values))  # > 8 only for a longer row
     return {"BLOCK": block, "ROWS": rows, "num_warps": min(max(rows * block // 256, 1), cap)}
 
 
@@ -76,8 +89,9 @@ def _backward(kernel: triton.JITFunction, n_rows: int, device: torch.device, slo
     ``run(kernel[(programs,)], partials, rows_per_program)`` and returns its weight-gradient
     partials (``slots`` x ``width`` per program; zeros when there is no row, so no launch).
 
-    ``programs`` is one wave of the kernel as Triton compiles it for this launch on a GPU, a
-    few in the interpreter (:func:`kernels.occupancy.launch_programs`). The grid comes first
+    ``programs`` is one wave of the kernel as Triton compiles it for this launch on a GPU,
+    capped to fit two programs per SM where that compiles without a spill, a few in the
+    interpreter (:func:`kernels.occupancy.launch_programs`). The grid comes first
     (it sizes the partials and the rows per program), so ``run`` gives the launch's arguments
     with stand-ins for those two: an empty fp32 tensor and the 16-row floor. Triton
     specialises pointers on 16-byte alignment and integers on being 1 or a multiple of 16, so
@@ -86,11 +100,12 @@ def _backward(kernel: triton.JITFunction, n_rows: int, device: torch.device, slo
     count that matters changes."""
     stand_in = torch.empty(0, dtype=torch.float32, device=device)
     args, kwargs = run(_arguments, stand_in, occupancy.MIN_ROWS_PER_PROGRAM)
-    programs = occupancy.launch_programs(kernel, n_rows, device, args, kwargs)
+    programs, options = occupancy.launch_programs(kernel, n_rows, device, args, kwargs)
     partials = weight_grad_partials(programs, slots, width, device)
     if not n_rows:
         return partials.zero_()
-    run(kernel[(programs,)], partials, triton.cdiv(n_rows, programs))
+    run(functools.partial(kernel[(programs,)], **options), partials,
+        triton.cdiv(n_rows, programs))
     return partials
 
 
@@ -131,7 +146,8 @@ class NormFunction(torch.autograd.Function):
         g = _rows(grad)
         dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
         dr = torch.empty_like(dx) if ctx.has_residual else dx
-        launch = _launch_args(n_cols, NORM_BACKWARD_TILE, MAX_BACKWARD_WARPS)
+        launch = _launch_args(n_cols, NORM_BACKWARD_TILE, MAX_BACKWARD_WARPS,
+                              NORM_BACKWARD_WARP_VALUES)
 
         def run(kernel, partials, rows_per_program):
             return kernel(
@@ -254,7 +270,8 @@ class EntryFunction(torch.autograd.Function):
                 n_rows, n_cols, rows_per_program, float(kind.scale), kind.eps,
                 IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update,
                 STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=ctx.recompute_u,
-                GATE=kind.gate, HAS_GX=kind.pass_x, HAS_GY=has_gy, **launch)
+                GATE=kind.gate, HAS_GX=kind.pass_x, HAS_GY=has_gy,
+                RELOAD=wc is not None and launch["BLOCK"] >= RELOAD_FROM, **launch)
 
         weights = [wa, wb, wc] + ([wu] if ctx.recompute_u else [])  # the kernel's slots
         biases = [ba, bb, bc] + ([bu] if ctx.recompute_u else [])

@@ -1,7 +1,7 @@
 """``kernels.occupancy``: programs resident per SM by the hardware's allocation rules (checked by
-hand), the backward grid that follows (one wave, 16 rows a program at least), the numbers a
-compiled kernel and a device's properties give (stand-in objects: no GPU here), and the
-interpreter's few programs."""
+hand), the register cap that fits two programs and when it is taken, the backward grid that
+follows (one wave, 16 rows a program at least), the numbers a compiled kernel and a device's
+properties give (stand-in objects: no GPU here), and the interpreter's few programs."""
 
 import contextlib
 from types import SimpleNamespace
@@ -11,11 +11,16 @@ import torch
 
 from kernels import occupancy
 from kernels.occupancy import (
+    Fit,
+    Launch,
     Resources,
+    arch_limits,
     backward_programs,
-    compiled_programs_per_sm,
+    fit,
     launch_programs,
     programs_per_sm,
+    register_cap,
+    resident_programs,
 )
 
 # An H100 SXM as torch describes it: 132 SMs, 64K registers, 2,048 threads and 228 KiB of
@@ -25,10 +30,10 @@ H100 = SimpleNamespace(major=9, minor=0, multi_processor_count=132,
                        warp_size=32, shared_memory_per_multiprocessor=228 * 1024)
 
 
-def compiled(registers: int, warps: int, shared: int = 0) -> SimpleNamespace:
+def compiled(registers: int, warps: int, shared: int = 0, spills: int = 0) -> SimpleNamespace:
     """What occupancy reads of a Triton CompiledKernel once its handles are initialised."""
-    return SimpleNamespace(n_regs=registers, metadata=SimpleNamespace(num_warps=warps,
-                                                                      shared=shared))
+    return SimpleNamespace(n_regs=registers, n_spills=spills,
+                           metadata=SimpleNamespace(num_warps=warps, shared=shared))
 
 
 @pytest.mark.parametrize("registers,warps,shared,arch,expected", [
@@ -66,6 +71,87 @@ def test_backward_programs_by_hand(n_rows, sms, resident, expected):
     assert backward_programs(n_rows, sms, resident) == expected
 
 
+
+
+@pytest.mark.parametrize("warps,registers,expected", [
+    # two 8-warp programs share 64K registers: 4,096 a warp, 128 a thread
+    (8, 65536, 128),
+    # two of 16 warps: 64; two of 6: 5,461 a warp, 5,376 in units of 256, 168 a thread
+    (16, 65536, 64),
+    (6, 65536, 168),
+    # two of 4 warps could take 256 a thread: 255, the most a thread addresses
+    (4, 65536, 255),
+    # half the register file: two 8-warp programs at 64
+    (8, 32768, 64),
+])
+def test_register_cap_by_hand(warps, registers, expected):
+    assert register_cap(warps, arch_limits(90)._replace(registers=registers)) == expected
+
+
+def _capped(registers: int, spills: int = 0):
+    """A capped compile that gives ``registers`` (and ``spills``), recording the caps asked."""
+    asked = []
+
+    def compile_capped(cap):
+        asked.append(cap)
+        return Resources(registers, spills, spills, 0)
+    return compile_capped, asked
+
+
+@pytest.mark.parametrize("chosen,capped,spills,expected,asked", [
+    # the LayerNorm entry backward at hidden 2048: 166 registers (1 per SM) as ptxas chooses,
+    # 128 without a spill when capped: capped, 2 per SM
+    (166, 128, 0, Fit(2, 128), [128]),
+    # the capped compile spills (the MLP entry computing u with LayerNorm's bias): as chosen
+    (170, 128, 100, Fit(1, None), [128]),
+    # already two per SM: never recompiled
+    (98, None, 0, Fit(2, None), []),
+    # a cap that gains nothing (its compile still takes more than 128): as chosen
+    (200, 136, 0, Fit(1, None), [128]),
+])
+def test_fit_caps_registers_only_where_two_programs_fit_without_a_spill(
+        chosen, capped, spills, expected, asked):
+    compile_capped, seen = _capped(capped or 0, spills)
+    assert fit(Resources(chosen, 0, 0, 0), compile_capped, 8, arch_limits(90)) == expected
+    assert seen == asked
+
+
+class _Kernel:
+    """A @triton.jit function's warmup: a compiled kernel of ``registers`` registers, or
+    ``capped`` (and ``spills``) when compiled with a register cap; records each compile."""
+
+    def __init__(self, registers: int, capped: int | None = None, spills: int = 0,
+                 shared: int = 0):
+        self.registers, self.capped, self.spills, self.shared = registers, capped, spills, shared
+        self.warmups = []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((args, grid, kwargs))
+        if "maxnreg" in kwargs:
+            kernel = compiled(self.capped or self.registers, kwargs["num_warps"], self.shared,
+                              self.spills)
+        else:
+            kernel = compiled(self.registers, kwargs["num_warps"], self.shared)
+        kernel._init_handles = lambda: None
+        return kernel
+
+
+def _on_device(monkeypatch, props):
+    """torch.cuda as on one GPU that torch describes with ``props``."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    occupancy.sm_count.cache_clear()
+
+
+@pytest.fixture
+def fake_h100(monkeypatch):
+    """torch.cuda as on one H100, for code that only asks it for properties and devices."""
+    _on_device(monkeypatch, H100)
+    yield
+    occupancy.sm_count.cache_clear()
+
+
 @pytest.mark.parametrize("kernel,props,expected", [
     # 128 x 32 = 4,096 registers a warp, 32,768 a program of 8 warps: 2 in 64K
     (compiled(128, 8), H100, 2),
@@ -92,40 +178,22 @@ def test_backward_programs_by_hand(n_rows, sms, resident, expected):
     # registers needed, 32K reported): still one program per SM, not a grid of one program
     (compiled(128, 16), SimpleNamespace(**{**vars(H100), "regs_per_multiprocessor": 32768}), 1),
 ])
-def test_compiled_kernel_on_a_device(kernel, props, expected):
-    assert compiled_programs_per_sm(kernel, props) == expected
+def test_compiled_kernel_on_a_device(kernel, props, expected, monkeypatch):
+    """The registers, shared memory and warps the compiled kernel reports, on the device's own
+    limits (the capped compile here gains nothing, so the compiler's choice stands)."""
+    _on_device(monkeypatch, props)
+    fake = _Kernel(kernel.n_regs, shared=kernel.metadata.shared)
+    warps = kernel.metadata.num_warps
+    found = resident_programs(fake, (), {"num_warps": warps}, torch.device("cuda", 0))
+    assert found.resident == expected
+    occupancy.sm_count.cache_clear()
 
 
 @pytest.mark.parametrize("n_rows,expected", [(5, 4), (1_000, 4), (3, 3), (1, 1), (0, 1)])
 def test_interpreter_runs_a_few_programs(n_rows, expected):
     """Without CUDA, up to 4 programs (one per row at most), whatever the kernel: it is not
-    compiled (None here)."""
-    assert launch_programs(None, n_rows, torch.device("cpu"), (), {}) == expected
-
-
-class _Kernel:
-    """A @triton.jit function's warmup: returns a compiled kernel of ``registers`` registers,
-    counting the compiles."""
-
-    def __init__(self, registers: int):
-        self.registers, self.warmups = registers, []
-
-    def warmup(self, *args, grid, **kwargs):
-        self.warmups.append((args, grid, kwargs))
-        kernel = compiled(self.registers, kwargs["num_warps"])
-        kernel._init_handles = lambda: None
-        return kernel
-
-
-@pytest.fixture
-def fake_h100(monkeypatch):
-    """torch.cuda as on one H100, for code that only asks it for properties and devices."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: H100)
-    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    occupancy.sm_count.cache_clear()
-    yield
-    occupancy.sm_count.cache_clear()
+    compiled (None here), and takes no register cap."""
+    assert launch_programs(None, n_rows, torch.device("cpu"), (), {}) == Launch(expected, {})
 
 
 def test_cuda_launch_is_one_wave_of_its_compiled_kernel(fake_h100):
@@ -135,9 +203,9 @@ def test_cuda_launch_is_one_wave_of_its_compiled_kernel(fake_h100):
     rows = torch.empty(4, 8)
     kwargs = {"IS_RMS": True, "ROWS": 1, "num_warps": 8}
     cuda = torch.device("cuda", 0)
-    assert launch_programs(kernel, 16_384, cuda, (rows, 8, 16), kwargs) == 264
+    assert launch_programs(kernel, 16_384, cuda, (rows, 8, 16), kwargs) == Launch(264, {})
     assert kernel.warmups == [((rows, 8, 16), (1,), kwargs)]
-    assert launch_programs(kernel, 4_096, cuda, (torch.empty(2, 8), 8, 16), kwargs) == 256
+    assert launch_programs(kernel, 4_096, cuda, (torch.empty(2, 8), 8, 16), kwargs).programs == 256
     assert len(kernel.warmups) == 1
     # another dtype, another flag: each its own compile
     launch_programs(kernel, 16_384, cuda, (rows.double(), 8, 16), kwargs)
@@ -145,5 +213,20 @@ def test_cuda_launch_is_one_wave_of_its_compiled_kernel(fake_h100):
     assert len(kernel.warmups) == 3
     # no rows: nothing launches, nothing compiles
     idle = _Kernel(255)
-    assert launch_programs(idle, 0, cuda, (rows, 8, 16), kwargs) == 1
+    assert launch_programs(idle, 0, cuda, (rows, 8, 16), kwargs) == Launch(1, {})
     assert idle.warmups == []
+
+
+def test_cuda_launch_takes_the_register_cap_that_fits_two_programs(fake_h100):
+    """A kernel the compiler gives 166 registers (1 per SM) and that fits 128 without a spill
+    launches capped: 264 programs, ``maxnreg=128``; compiled twice, once. One whose capped
+    compile spills launches as the compiler chose, 132 programs."""
+    cuda, rows = torch.device("cuda", 0), torch.empty(4, 8)
+    kwargs = {"ROWS": 1, "num_warps": 8}
+    kernel = _Kernel(166, capped=128)
+    assert launch_programs(kernel, 16_384, cuda, (rows,), kwargs) == Launch(264, {"maxnreg": 128})
+    assert [w[2] for w in kernel.warmups] == [kwargs, {**kwargs, "maxnreg": 128}]
+    launch_programs(kernel, 16_384, cuda, (rows,), kwargs)
+    assert len(kernel.warmups) == 2
+    spilling = _Kernel(170, capped=128, spills=100)
+    assert launch_programs(spilling, 16_384, cuda, (rows,), kwargs) == Launch(132, {})

@@ -313,6 +313,37 @@ def test_mlp_entry_recomputing_u_from_the_layer_input(rows, hidden, kind, dtype)
     assert_parity(attention_and_mlp(kind, hidden, dtype), op, [packed, r], dtype)
 
 
+class _Spy:
+    """Stands in for a kernel, recording the constexprs of each launch and running it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_entry_backward_rereading_rows_as_wide_rows_do(kind, dtype, monkeypatch):
+    """The entry backward's variant for wide rows (``RELOAD``: each stream's row, and its
+    update, read again after Nc's reductions instead of held) at a small width: the packed
+    entry with and without u, the update fused into the entry, and the MLP entry computing
+    u, all as above."""
+    monkeypatch.setattr(triton_ops, "RELOAD_FROM", 1)
+    spy = _Spy(triton_kernels.entry_bwd)
+    monkeypatch.setattr(triton_kernels, "entry_bwd", spy)
+    rows, hidden = 41, 130
+    test_siamese_entry_takes_the_packed_input(rows, hidden, kind, dtype, True)
+    test_siamese_entry_takes_the_packed_input(rows, hidden, kind, dtype, False)
+    test_update_fused_with_entry(rows, hidden, kind, dtype, 2.0 ** 0.5)
+    test_mlp_entry_recomputing_u_from_the_layer_input(rows, hidden, kind, dtype)
+    assert len(spy.launches) == 5 and all(k["RELOAD"] for k in spy.launches)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,hidden", SHAPES)
 def test_dual_update_into_packed(rows, hidden, dtype):
@@ -498,6 +529,24 @@ def test_gpu_full_size_parity(kind, dtype):
                   lambda t, m: m.update_entry(*t, 3.0), streams_in(3), dtype)
     assert_parity(merge(kind, GPU_HIDDEN, dtype), lambda t, m: [m(t[0])], streams_in(width=2),
                   dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_wide_row_parity(kind, dtype):
+    """The entry backward's wide-row variant as compiled (hidden 8192: each stream's row read
+    again after Nc's reductions, 16 warps), from the packed input and with the update fused
+    in; 2048 rows."""
+    def entry_without_u(t, m):
+        x, y, _, s = m.entry_packed(t[0], False)
+        return [x * 0.5, y * 1.5, s]
+
+    hidden = triton_ops.RELOAD_FROM
+    assert_parity(sublayer(kind, hidden, dtype), entry_without_u,
+                  inputs((2048, 1, 2 * hidden), dtype, 1), dtype)
+    assert_parity(sublayer(kind, hidden, dtype), lambda t, m: m.update_entry(*t, 3.0),
+                  inputs((2048, 1, hidden), dtype, 3), dtype)
 
 
 def test_bench_table_and_cpu_exit(capsys):
