@@ -124,7 +124,7 @@ def fit(chosen: Resources, capped: Callable[[int], Resources], num_warps: int,
     compiler's choice where it already fits :data:`TARGET_PROGRAMS` programs per SM;
     otherwise capped to fit them, if the capped kernel does not spill (ptxas takes registers
     freely under the 255 ceiling, for loads in flight it need not hold: at hidden 2048 the
-    LayerNorm entry backwards take 166-245 and fit 128 without spilling); otherwise the
+    LayerNorm entry backwards take 166-215 and fit 128 without spilling); otherwise the
     compiler's choice, since a spill costs local-memory traffic on every row."""
     resident = resident_per_sm(chosen.registers, chosen.shared, num_warps, limits)
     if resident >= TARGET_PROGRAMS:
