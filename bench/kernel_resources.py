@@ -18,8 +18,8 @@ a backward launch (a kernel looping over rows into weight-gradient partials) one
 own programs per SM, at least 16 rows each (``kernels.occupancy.backward_programs``), so its
 waves are at most 1; where the kernel fits one program per SM it is compiled again with its
 registers capped for two (``reg cap``), and that compile is the one reported if it does not
-spill (``kernels.occupancy.fit``, as the ops choose on a GPU). Waves above 1 mean programs wait for others to finish; a last wave that
-is a small fraction leaves most SMs idle.
+spill (``kernels.occupancy.fit``, as the ops choose on a GPU). Waves above 1 mean programs
+wait for others to finish; a last wave that is a small fraction leaves most SMs idle.
 
 Compiling takes a few seconds per launch the first time (Triton caches the result). Runs
 without a GPU and without TRITON_INTERPRET.
