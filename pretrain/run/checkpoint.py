@@ -6,10 +6,11 @@ Layout under ``<run.dir>/checkpoints/``::
     latest                name of the newest complete checkpoint (for people and scripts)
 
 A checkpoint is written into ``.step_<n>.tmp`` and renamed only once every rank finished and
-``complete.json`` exists, then ``latest`` is replaced atomically. A crash (even SIGKILL) or a
-full disk during a save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays
-the latest. With ``run.async_save`` the tensors are written in the background between
-:func:`start` and :func:`complete` (:mod:`pretrain.run.saver`), to the same effect.
+``complete.json`` exists, then ``latest`` is replaced atomically, each step synced to the disk
+before the next names it. A crash (even SIGKILL, or of the machine) or a full disk during a
+save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays the latest. With
+``run.async_save`` the tensors are written in the background between :func:`start` and
+:func:`complete` (:mod:`pretrain.run.saver`), to the same effect.
 Resuming takes the newest complete checkpoint (``latest`` is only a hint). Model
 and optimizer tensors carry global keys, so a checkpoint loads under any TP/PP/VP layout.
 ``complete.json`` also records what the checkpoint is (:mod:`pretrain.run.identity`): its model,
@@ -19,6 +20,7 @@ are never saved (pretrain.train.loop checks before each save).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -162,22 +164,50 @@ def start(root: Path, step: int) -> Path:
     return tmp
 
 
+def _sync(folder: Path) -> None:
+    """Flush ``folder``'s entries (files made or renamed in it) to the disk: what a rename or
+    complete.json then vouches for must survive a power loss or node crash, not only a
+    process crash (megatron syncs the tensor files it writes). A file system that cannot sync
+    a folder (some network and FUSE ones: EINVAL) orders its metadata itself."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, write) -> None:
+    """``write(file)`` into a new binary file ``path``, synced before it is closed."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_rng_state(tmp: Path) -> None:
-    """This rank's RNG file in the checkpoint folder being written."""
+    """This rank's RNG file in the checkpoint folder being written (synced)."""
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank{dist.get_rank()}.pt")
+    _write_synced(tmp / "rng" / f"rank{dist.get_rank()}.pt",
+                  lambda f: torch.save(rng_state(), f))
 
 
 def complete(root: Path, step: int, tmp: Path, keep_last: int, record: dict,
              failure: BaseException | None) -> Path:
     """Every rank, once its write into ``tmp`` ended (``failure``: how it failed, if it did):
     complete.json last, the rename to ``step_N``, ``latest``, and the pruning to ``keep_last``
-    complete checkpoints. A failure on any rank removes the folder instead (abandon)."""
+    complete checkpoints. A failure on any rank removes the folder instead (abandon). Each step
+    is on the disk before the next vouches for it: the RNG files and complete.json synced,
+    then the folder's entries, then, after the renames, the checkpoints folder's."""
     final = root / f"step_{step:08d}"
     if not any_rank(failure is not None) and _rank0():
         try:
             text = json.dumps({"step": step, "world_size": dist.get_world_size(), **record})
-            (tmp / COMPLETE).write_text(text)
+            _write_synced(tmp / COMPLETE, lambda f: f.write(text.encode()))
+            _sync(tmp / "rng")
+            _sync(tmp)
         except OSError as err:
             failure = err
     if any_rank(failure is not None):
@@ -192,6 +222,10 @@ def complete(root: Path, step: int, tmp: Path, keep_last: int, record: dict,
             os.replace(latest_tmp, root / "latest")
         except OSError as err:  # the checkpoint is complete; `latest` is only a hint
             log.warning("could not update %s: %s", root / "latest", err.strerror)
+        try:
+            _sync(root)
+        except OSError as err:  # renamed already: a later sync (the next save) covers it
+            log.warning("could not sync %s: %s", root, err.strerror)
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old)
     dist.barrier()

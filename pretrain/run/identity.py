@@ -10,7 +10,8 @@ and both values instead of loading part of the checkpoint, and another tokenizer
 size (whose scores would look plausible and mean nothing) is refused naming both files. A
 data, batch or seed change on resume is refused unless ``run.allow_data_change``; then the data
 position (samples and tokens consumed) carries on from the checkpoint's, so consumed tokens
-never go backwards and no sample index is reused by accident.
+never go backwards and no sample index is reused by accident. A resume also keeps the
+optimizer state's layout (``parallel.distributed_optimizer``), which megatron cannot convert.
 
 Datasets are identified by a fingerprint of their files, not by path, so moving a corpus to
 another file system keeps a run resumable.
@@ -161,6 +162,25 @@ def check_data(saved: dict[str, Any] | None, current: dict[str, Any], allow_chan
                           f"{'; '.join(differences)}; resume with --run.allow_data_change=true "
                           "to continue on the new data from the checkpoint's position")
     log.warning("data changed on resume (run.allow_data_change): %s", "; ".join(differences))
+
+
+def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
+                           checkpoint: str) -> None:
+    """Refuse a resume whose optimizer state is laid out otherwise than the checkpoint's:
+    megatron's distributed optimizer shards its state into per-rank buffers, the replicated
+    one keeps it per parameter, and neither loads the other's (megatron fails deep in the
+    load, on a parameter-group key). ``settings`` is the checkpoint's recorded config (None
+    for checkpoints written before settings were recorded: megatron's own error then)."""
+    saved = (settings or {}).get("parallel", {}).get("distributed_optimizer")
+    current = config.parallel.distributed_optimizer
+    if saved is None or saved == current:
+        return
+    raise CheckpointError(
+        f"checkpoint '{checkpoint}' holds the optimizer state of "
+        f"parallel.distributed_optimizer={str(saved).lower()}, and this start has "
+        f"{str(current).lower()}: the two lay the state out differently; resume with "
+        f"--parallel.distributed_optimizer={str(saved).lower()}, or start a new run from its "
+        "weights with --run.init_from")
 
 
 def _datasets(entries: list[dict]) -> str:

@@ -357,6 +357,10 @@ EARLY_CASES = {
         ["data.global_batch_size (8 in the checkpoint, 16 here)", "allow_data_change"]),
     "resume with other seed": (lambda c: _resume(c, "finished", "--run.seed=7"),
                                ["run.seed (1234 in the checkpoint, 7 here)"]),
+    "resume with the other optimizer layout": (
+        lambda c: _resume(c, "finished", "--parallel.distributed_optimizer=false"),
+        ["parallel.distributed_optimizer=true", "this start has false",
+         "--parallel.distributed_optimizer=true", "--run.init_from"]),
     "resume on other data": (lambda c: _resume(c, "finished",
                                                f"--data.prefixes={_in(c, 'data', 'part')}"),
                              ["data.prefixes/weights", "part"]),
