@@ -36,7 +36,12 @@ nodes=${SLURM_JOB_NUM_NODES:-1}
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The head's address as slurm knows it (NodeAddr), so its name need not resolve elsewhere.
 head_addr=$(scontrol show node "$head" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+# The rendezvous port: the job's own, 20000 + id mod 20000, or (probed here, on the first node,
+# where this shell runs and the rendezvous store will listen) the next free one after it.
 port=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+if [[ -z ${RDZV_PORT:-} && ${SLURMD_NODENAME:-} == "$head" ]]; then
+  port=$("$PYTHON" -m launch.port "$port") || exit 2
+fi
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $nodes node(s), head $head" \
   "(${head_addr:-$head}:$port), started $(date -Is)"
 
