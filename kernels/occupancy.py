@@ -203,7 +203,8 @@ def _compile(kernel: Any, args: tuple, kwargs: dict, index: int) -> Any:
 def resident_programs(kernel: Any, args: tuple, kwargs: dict, device: torch.device) -> Fit:
     """:func:`fit` of ``kernel`` (a ``@triton.jit`` function) as Triton compiles it for the
     launch ``kernel[grid](*args, **kwargs)`` on CUDA ``device``, with the device's limits;
-    at least one program per SM (:func:`compiled_programs_per_sm`). Cached per kernel,
+    at least one program per SM (a kernel built for the device runs one: a 0 would be a limit
+    torch misreports, and would shrink the grid to one program). Cached per kernel,
     argument specialisation, constexprs and device, so a launch pays its one or two compiles
     once."""
     index = _index(device)

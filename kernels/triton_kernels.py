@@ -96,17 +96,23 @@ def _save_stats(stats_ptr, rows, row_mask, WIDTH: tl.constexpr, slot: tl.constex
 
 
 @triton.jit
+def _hat(v, mask, mean, rstd, IS_RMS: tl.constexpr):
+    """v normalised with given per-row statistics (fp32)."""
+    if IS_RMS:
+        return v * rstd[:, None]
+    return tl.where(mask, (v - mean[:, None]) * rstd[:, None], 0.0)
+
+
+@triton.jit
 def _reload_hat(v, mask, stats_ptr, rows, row_mask, WIDTH: tl.constexpr, slot: tl.constexpr,
                 IS_RMS: tl.constexpr):
     """v_hat and rstd of each row, from the statistics :func:`_save_stats` wrote."""
     base = stats_ptr + rows * WIDTH + 2 * slot
     rstd = tl.load(base + 1, mask=row_mask, other=0.0)
-    if IS_RMS:
-        v_hat = v * rstd[:, None]
-    else:
+    mean = rstd  # RMSNorm saves no mean and uses none
+    if not IS_RMS:
         mean = tl.load(base, mask=row_mask, other=0.0)
-        v_hat = tl.where(mask, (v - mean[:, None]) * rstd[:, None], 0.0)
-    return v_hat, rstd
+    return _hat(v, mask, mean, rstd, IS_RMS), rstd
 
 
 @triton.jit
@@ -198,14 +204,6 @@ def _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: t
     backward)."""
     x_hat, _, _ = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
     return _affine(x_hat, wu_ptr, bu_ptr, cols, col_mask, HAS_BIAS).to(x.dtype)
-
-
-@triton.jit
-def _hat(v, mask, mean, rstd, IS_RMS: tl.constexpr):
-    """v normalised with given per-row statistics (fp32)."""
-    if IS_RMS:
-        return v * rstd[:, None]
-    return tl.where(mask, (v - mean[:, None]) * rstd[:, None], 0.0)
 
 
 @triton.jit

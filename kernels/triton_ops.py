@@ -50,9 +50,9 @@ NORM_BACKWARD_WARP_VALUES = 512
 
 # Row width from which the entry's backward reads each stream's row a second time after Nc's
 # reductions (a cache hit) instead of holding it normalised across them: two rows of
-# registers fewer where a program's register file holds about eight fp32 rows (8192: spilled
-# bytes at least halved on sm_90, ``bench.kernel_resources``); narrower rows fit either way,
-# and there the extra reads cost more registers than they free.
+# registers fewer where a program's register file holds about eight fp32 rows (8192 on sm_90:
+# 17,832 bytes spilled over the backward launches instead of 28,700, ``bench.kernel_resources``);
+# at 4096 the re-reads spill more in some variants than they save in others.
 RELOAD_FROM = 8192
 
 
