@@ -1,9 +1,13 @@
 """Helpers the benchmarks share: package versions, a fixed random batch, integer lists on the
-command line, markdown tables."""
+command line, markdown tables, and timing that is GPU time on a GPU and wall time on the CPU
+(so a GPU benchmark's code can be rehearsed on a CPU at a tiny size)."""
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 from importlib import metadata
 
 import torch
@@ -53,3 +57,42 @@ def markdown_table(header: list[str], rows: list[list[str]], right_from: int = 1
     align = ["---" if i < right_from else "---:" for i in range(len(header))]
     lines = [header, align, *rows]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+class Mark:
+    """A point in time inside a step: a CUDA event on a GPU (GPU time, recorded without
+    synchronising), the wall clock on the CPU."""
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
+        self._wall = 0.0
+
+    def record(self) -> None:
+        if self._event is not None:
+            self._event.record()
+        else:
+            self._wall = time.perf_counter()
+
+    def seconds_since(self, earlier: Mark) -> float:
+        """Seconds from ``earlier`` to this mark (waits for this mark's event on a GPU)."""
+        if self._event is not None:
+            self._event.synchronize()
+            return earlier._event.elapsed_time(self._event) / 1e3
+        return self._wall - earlier._wall
+
+
+def time_ms(fn: Callable[[], object], rounds: int) -> float:
+    """Time of one call of ``fn`` in ms, the median over ``rounds``: on a GPU each round is
+    ``triton.testing.do_bench``'s median (GPU time, many launches, warm-up included); on the
+    CPU the wall time of one call after one warm-up call."""
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return statistics.median(do_bench(fn, return_mode="median") for _ in range(rounds))
+    fn()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(samples)

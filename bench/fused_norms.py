@@ -21,21 +21,22 @@ measured in the same run, the practical ceiling for ops like these.
 backward kernel's tile (rows x block values, ``kernels.triton_ops``) set to it: the table to
 choose those constants from on a new GPU or hidden size.
 
-Without CUDA it prints one line and exits 0, so it can sit in scripts run anywhere.
+Without CUDA it prints one line and exits 0, so it can sit in scripts run anywhere. Its
+functions take the device, so ``bench.gpu_check`` rehearses them on the CPU at a tiny size
+(Triton's interpreter, wall-clock times that mean nothing but that the code runs).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from bench.common import int_list, markdown_table, versions_line
+from bench.common import int_list, markdown_table, time_ms, versions_line
 
 SEQ = 4096
 
@@ -66,9 +67,9 @@ OPS = [
 HEADS, GROUPS = 32, 8  # the 1.3B shape's attention
 
 
-def op_module(op: Op, backend, config, hidden: int):
-    """The module computing ``op`` as the model builds it with ``backend`` (None for the
-    packed update, which has no norm)."""
+def op_module(op: Op, backend, config, hidden: int, device: str = "cuda"):
+    """The module computing ``op`` as the model builds it with ``backend``, on ``device``
+    (None for the packed update, which has no norm)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from model.config import ModelConfig
@@ -83,15 +84,15 @@ def op_module(op: Op, backend, config, hidden: int):
         return build_module(norm, config=config, hidden_size=hidden, eps=1e-5)
 
     if op in (OPS[0], OPS[5]):
-        return build_norm().cuda()
+        return build_norm().to(device)
     if op is OPS[6]:
         head_dim = hidden // HEADS
         return torch.nn.ModuleList(build_module(norm, config=config, hidden_size=head_dim,
-                                                eps=1e-5) for _ in range(3)).cuda()
+                                                eps=1e-5) for _ in range(3)).to(device)
     if op in (OPS[1], OPS[2]):
-        return SublayerNorms(build_norm, backend).cuda()
+        return SublayerNorms(build_norm, backend).to(device)
     if op is OPS[4]:
-        return StreamMergeNorm(config, hidden, 1e-5, norm=norm, backend=backend).cuda()
+        return StreamMergeNorm(config, hidden, 1e-5, norm=norm, backend=backend).to(device)
     return None
 
 
@@ -127,9 +128,10 @@ def _qkv_heads(mixed: torch.Tensor, norms, backend) -> list[torch.Tensor]:
     return [norms[0](q.reshape(*q.shape[:2], -1, dim)), norms[1](k), norms[2](v)]
 
 
-def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype,
+              device: str = "cuda") -> list[torch.Tensor]:
     def make(width):
-        return torch.randn(tokens, 1, width, device="cuda", dtype=dtype).requires_grad_()
+        return torch.randn(tokens, 1, width, device=device, dtype=dtype).requires_grad_()
 
     if op.name in (OPS[1].name, OPS[4].name):
         return [make(2 * hidden)]  # the packed [s, b, 2h] tensor layers exchange
@@ -140,17 +142,9 @@ def op_inputs(op: Op, tokens: int, hidden: int, dtype: torch.dtype) -> list[torc
     return [make(hidden) for _ in range(int(op.inputs))]
 
 
-def time_ms(fn: Callable[[], object], rounds: int) -> float:
-    """GPU time of one call of ``fn`` in ms: the median over ``rounds`` of do_bench's median
-    (its warm-up also triggers compilation)."""
-    from triton.testing import do_bench
-
-    return statistics.median(do_bench(fn, return_mode="median") for _ in range(rounds))
-
-
-def copy_bandwidth(rounds: int) -> float:
+def copy_bandwidth(rounds: int, nbytes: int = 1 << 30, device: str = "cuda") -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + bytes written)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), rounds)
     return 2 * src.numel() / ms / 1e6
@@ -184,15 +178,17 @@ def implementations(te_available: bool) -> dict[str, tuple]:
     return impls
 
 
-def plain_norm_alternatives(norm: str, hidden: int) -> dict[str, Callable[[], torch.nn.Module]]:
+def plain_norm_alternatives(norm: str, hidden: int, device: str = "cuda",
+                            dtype: torch.dtype = torch.bfloat16
+                            ) -> dict[str, Callable[[], torch.nn.Module]]:
     """Other implementations of the plain norm alone: torch's own fused norm, and
-    Liger-Kernel's when it is installed (builders of bf16 modules on the GPU)."""
+    Liger-Kernel's when it is installed (builders of modules on ``device``)."""
     rms = norm == "rmsnorm"
 
     def torch_norm():
         module = (torch.nn.RMSNorm(hidden, eps=1e-5) if rms
                   else torch.nn.LayerNorm(hidden, eps=1e-5, bias=False))
-        return module.to("cuda", torch.bfloat16)
+        return module.to(device, dtype)
 
     found = {"torch F.rms_norm" if rms else "torch F.layer_norm": torch_norm}
     try:
@@ -200,7 +196,7 @@ def plain_norm_alternatives(norm: str, hidden: int) -> dict[str, Callable[[], to
     except ImportError:
         return found
     found["Liger-Kernel"] = lambda: (LigerRMSNorm(hidden, eps=1e-5) if rms else
-                                     LigerLayerNorm(hidden, eps=1e-5)).to("cuda", torch.bfloat16)
+                                     LigerLayerNorm(hidden, eps=1e-5)).to(device, dtype)
     return found
 
 
@@ -221,45 +217,59 @@ def backward_tile(tile: int | None):
             setattr(triton_ops, name, value)
 
 
-def measure(args) -> tuple[list[dict], float]:
+def norm_config(args, dtype: torch.dtype = torch.bfloat16):
+    """The megatron config the ops' modules are built from."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    return TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
+                             normalization="RMSNorm" if args.norm == "rmsnorm" else "LayerNorm",
+                             params_dtype=dtype)
+
+
+def measure_op(op: Op, args, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+               te_available: bool = False) -> list[dict]:
+    """Rows of one op: every implementation, forward and forward+backward."""
+    from kernels.backend import NormBackend
+
+    config = norm_config(args, dtype)
+    tokens = args.seq * args.batch
+    cases = []  # (implementation, module, call, backward tile)
+    for impl, (backend, compiled) in implementations(te_available).items():
+        if op.norms == 0 and impl.startswith("TE"):
+            continue  # no norm in this op: TE has nothing to run
+        call = op_call(op, backend)
+        cases.append((impl, op_module(op, backend, config, args.hidden, device),
+                      torch.compile(call) if compiled else call, None))
+        if backend is NormBackend.TRITON:
+            cases += [(f"triton, backward tile {tile}", cases[-1][1], call, tile)
+                      for tile in args.backward_tiles]
+    if op is OPS[0]:
+        cases += [(impl, build(), op_call(op, None), None) for impl, build in
+                  plain_norm_alternatives(args.norm, args.hidden, device, dtype).items()]
+    results = []
+    for impl, module, call, tile in cases:
+        tensors = op_inputs(op, tokens, args.hidden, dtype, device)
+        for pass_name, fn in passes(call, tensors, module).items():
+            if tile is not None and pass_name == "fwd":
+                continue  # the tile is the backward's
+            row = {"op": op.name, "impl": impl, "pass": pass_name, "ms": None,
+                   "bytes": op.tensors_moved(pass_name != "fwd") * tokens * args.hidden
+                   * dtype.itemsize}
+            try:
+                with backward_tile(tile):
+                    row["ms"] = time_ms(fn, args.rounds)
+            except Exception as err:  # e.g. torch.compile unavailable: report, go on
+                row["error"] = type(err).__name__
+            results.append(row)
+    return results
+
+
+def measure(args) -> tuple[list[dict], float]:
     from kernels.backend import NormBackend, unavailable_reason
 
     te_available = unavailable_reason(NormBackend.TE) is None
-    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
-                               normalization="RMSNorm" if args.norm == "rmsnorm" else "LayerNorm",
-                               params_dtype=torch.bfloat16)
-    tokens = SEQ * args.batch
     copy_gbs = copy_bandwidth(args.rounds)
-    results = []
-    for op in OPS:
-        cases = []  # (implementation, module, call)
-        for impl, (backend, compiled) in implementations(te_available).items():
-            if op.norms == 0 and impl.startswith("TE"):
-                continue  # no norm in this op: TE has nothing to run
-            call = op_call(op, backend)
-            cases.append((impl, op_module(op, backend, config, args.hidden),
-                          torch.compile(call) if compiled else call, None))
-            if backend is NormBackend.TRITON:
-                cases += [(f"triton, backward tile {tile}", cases[-1][1], call, tile)
-                          for tile in args.backward_tiles]
-        if op is OPS[0]:
-            cases += [(impl, build(), op_call(op, None), None)
-                      for impl, build in plain_norm_alternatives(args.norm, args.hidden).items()]
-        for impl, module, call, tile in cases:
-            tensors = op_inputs(op, tokens, args.hidden, torch.bfloat16)
-            for pass_name, fn in passes(call, tensors, module).items():
-                if tile is not None and pass_name == "fwd":
-                    continue  # the tile is the backward's
-                row = {"op": op.name, "impl": impl, "pass": pass_name, "ms": None,
-                       "bytes": op.tensors_moved(pass_name != "fwd") * tokens * args.hidden * 2}
-                try:
-                    with backward_tile(tile):
-                        row["ms"] = time_ms(fn, args.rounds)
-                except Exception as err:  # e.g. torch.compile unavailable: report, go on
-                    row["error"] = type(err).__name__
-                results.append(row)
+    results = [row for op in OPS for row in measure_op(op, args, te_available=te_available)]
     return results, copy_gbs
 
 
@@ -291,6 +301,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=2, help="sequences of 4096 tokens")
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     parser.add_argument("--norm", choices=["rmsnorm", "layernorm"], default="rmsnorm")
     parser.add_argument("--rounds", type=int, default=3,
                         help="do_bench medians to take the median of")
@@ -305,9 +316,10 @@ def main(argv=None) -> int:
         print("bench.fused_norms: needs a CUDA GPU (none found here); nothing measured")
         return 0
     results, copy_gbs = measure(args)
-    header = (f"{torch.cuda.get_device_name()}; {versions_line()}; {SEQ * args.batch} tokens x "
-              f"{args.hidden}, bf16, {args.norm}; device copy {copy_gbs:,.0f} GB/s; GPU time by "
-              f"triton.testing.do_bench, median of {args.rounds} rounds")
+    header = (f"{torch.cuda.get_device_name()}; {versions_line()}; "
+              f"{args.seq * args.batch} tokens x {args.hidden}, bf16, {args.norm}; device copy "
+              f"{copy_gbs:,.0f} GB/s; GPU time by triton.testing.do_bench, median of "
+              f"{args.rounds} rounds")
     print(report(results, copy_gbs, header))
     return 0
 

@@ -18,7 +18,9 @@ what was allocated just before it (bf16 weights, fp32 gradient buffers, optimize
     python -m bench.gpu_step --micro-batches 4,8 --recomputes none,full   # the best setting
     python -m bench.gpu_step --micro-batches 4 --profile 3   # + GPU kernels side by side
 
-If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line.
+If 16 layers do not fit at micro-batch 1, lower ``--layers``. Without CUDA it prints one line;
+its worker (one scheme in one process) runs on the CPU too, with wall-clock times and no memory
+figures, which is how ``bench.gpu_check`` rehearses it at a tiny size.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from pathlib import Path
 import torch
 
 from bench import step_profile
-from bench.common import int_list, markdown_table, random_batch, versions_line
+from bench.common import Mark, int_list, markdown_table, random_batch, versions_line
 from model.schemes import Recompute
+from runtime import cpu_compat
 
 SCHEMES = ("pre", "siamese", "siamese_hybrid")
 TARGETS = ("targets: pre >= 65k tokens/s and >= 53% MFU; step / pre: siamese <= 1.02, "
@@ -151,21 +154,24 @@ def measure(args, scheme: str) -> dict:
             optimizer.step()
         return step_losses
 
-    fwd_bwd, optim, activation, losses = [], [], 0, []
+    cuda = torch.cuda.is_available()  # without it (a rehearsal): no memory figures
+    fwd_bwd, optim, activation, peak, losses = [], [], 0, 0, []
     for index in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        start, middle, end = Mark(), Mark(), Mark()
         start.record()
         losses += step(middle.record)
         end.record()
-        end.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
+        fwd_bwd_s, optim_s = middle.seconds_since(start), end.seconds_since(middle)
+        step_peak = torch.cuda.max_memory_allocated() if cuda else 0
         if index >= args.warmup:
-            fwd_bwd.append(start.elapsed_time(middle) / 1e3)
-            optim.append(middle.elapsed_time(end) / 1e3)
-            activation = max(activation, peak)
+            fwd_bwd.append(fwd_bwd_s)
+            optim.append(optim_s)
+            activation = max(activation, step_peak - before)
+            peak = max(peak, step_peak)
     losses = [float(loss) for loss in losses]
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: non-finite loss {losses}")
@@ -177,7 +183,8 @@ def measure(args, scheme: str) -> dict:
         "scheme": scheme, "micro_batch": args.micro_batch, "parameters": parameters,
         "fwd_bwd_s": fwd_bwd, "optimizer_s": optim,
         "step_s": [a + b for a, b in zip(fwd_bwd, optim, strict=True)],
-        "activation_bytes": activation, "first_loss": losses[0], "seq": args.seq,
+        "activation_bytes": activation, "peak_bytes": peak, "first_loss": losses[0],
+        "seq": args.seq,
         "flops_per_step": throughput.flops_per_step, "peak_tflops": throughput.peak,
         "device": device.device_name(),
         "attention": str(resolve_attention_backend(config.model.attention_backend)),
@@ -187,16 +194,23 @@ def measure(args, scheme: str) -> dict:
 
 
 def run_worker(scheme: str, micro_batch: int, impl: str, recompute: str,
-               forwarded: list[str]) -> dict | None:
+               forwarded: list[str], timeout: float | None = None) -> dict | None:
     """Measure one scheme at one micro-batch with one linear-layer implementation and one
-    recompute setting in a fresh process; None (after printing why) if it failed."""
+    recompute setting in a fresh process (stopped after ``timeout`` seconds); None (after
+    printing why) if it failed."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
-             "--micro-batch", str(micro_batch), "--transformer-impl", impl,
-             "--recompute", recompute, "--result", str(result)],
-            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True)
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
+                 "--micro-batch", str(micro_batch), "--transformer-impl", impl,
+                 "--recompute", recompute, "--result", str(result)],
+                cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{scheme} at micro-batch {micro_batch}: stopped after {timeout:.0f} s",
+                  file=sys.stderr)
+            return None
         if proc.returncode != 0 or not result.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             print(f"{scheme} at micro-batch {micro_batch}, linears {impl}, recompute "
@@ -279,11 +293,12 @@ def report(args, results: dict[tuple[str, int, str, str], dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.worker:
+        with cpu_compat.enabled():  # inert with CUDA; megatron on the CPU in a rehearsal
+            Path(args.result).write_text(json.dumps(measure(args, args.worker)))
+        return 0
     if not torch.cuda.is_available():
         print("bench.gpu_step: no CUDA GPU on this machine; nothing measured")
-        return 0
-    if args.worker:
-        Path(args.result).write_text(json.dumps(measure(args, args.worker)))
         return 0
     forwarded = list(argv if argv is not None else sys.argv[1:])
     results: dict[tuple[str, int, str, str], dict] = {}
