@@ -112,6 +112,17 @@ def check_schedule(scheduler, saved: dict) -> None:
                 "set --optim.override_schedule=true to resume on the new schedule")
 
 
+def load_schedule(scheduler, saved: dict) -> None:
+    """Put the schedule saved in a checkpoint into ``scheduler``, whatever steps it took.
+
+    megatron's ``load_state_dict`` advances the scheduler by the saved step count rather than
+    setting it: right for a fresh scheduler only. A guard rollback reloads into the live one,
+    which would then run as many steps ahead as the run had taken (its LR at ``min_lr`` long
+    before ``run.steps``), and every later checkpoint would carry that count."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(saved)
+
+
 def _torch_optimizers(optimizer):
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(inner, "optimizer", None) is not None:

@@ -37,7 +37,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 
 from pretrain.config import Config
 from pretrain.data.position import DataPosition
-from pretrain.optim import check_schedule, load_state, prime_state
+from pretrain.optim import check_schedule, load_schedule, load_state, prime_state
 from pretrain.run import identity
 from pretrain.run.failure import save_failure
 from runtime import device, weights
@@ -310,7 +310,7 @@ def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
     weights.put(chunks, state)
     check_schedule(scheduler, state["scheduler"])
     load_state(optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    load_schedule(scheduler, state["scheduler"])
     if record["world_size"] == dist.get_world_size():  # RNG streams are per rank of a layout
         set_rng_state(read_rng_state(directory / "rng" / f"rank{dist.get_rank()}.pt"))
 

@@ -137,6 +137,13 @@ def _inject(spec: str, args: list[str], log: Path) -> Done:
     return Done(code, log.read_text())
 
 
+def _saved_schedule(checkpoint: Path) -> dict:
+    """The LR scheduler's state a checkpoint holds (megatron's non-tensor items)."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    return load_common_state_dict(str(checkpoint))["scheduler"]
+
+
 def _skipped(run) -> dict[int, int]:
     return {r["step"]: r["skipped_spikes"] for r in metrics(run) if "loss" in r}
 
@@ -185,13 +192,20 @@ def test_a_rollback_skips_the_batches_after_the_checkpoint_and_wandb_keeps_one_a
         data, tmp_path):
     """Spikes at steps 7 and 8 roll the run back to its step-4 checkpoint with the 2 batches
     after it skipped; the run then ends normally at step 10, 2 batches further into its data,
-    and its W&B run holds each step once, in order."""
-    run = tmp_path / "run"
-    args = train_args(data, run, *SPIKY, "--run.steps=10", "--run.save_interval=4",
-                      "--run.keep_last=5", "--guard.max_skipped=2", "--guard.action=rollback",
-                      "--guard.rollback_skip_batches=2", "--logging.wandb_mode=offline")
+    and its W&B run holds each step once, in order. Nothing is counted twice on the way: the
+    LR schedule of steps 5-10 and the scheduler's saved state are those of a run that never
+    skipped (the scheduler once restarted at step 8 + 4), the guard's window is the
+    checkpoint's plus the steps trained since, the data position moved by the skipped
+    batches only."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    common = [*SPIKY, "--run.steps=10", "--run.save_interval=4", "--run.keep_last=5",
+              "--guard.max_skipped=2", "--guard.action=rollback",
+              "--guard.rollback_skip_batches=2"]
+    args = train_args(data, run, *common, "--logging.wandb_mode=offline")
     done = _inject("7:loss,8:loss", args, tmp_path / "log")
     assert done.returncode == 0, done.stderr[-3000:]
+    plain = _inject("99:loss", train_args(data, reference, *common), tmp_path / "plain.log")
+    assert plain.returncode == 0, plain.stderr[-3000:]
     assert ("2 consecutive steps were skipped (2 with a loss spike) (guard.max_skipped = 2): "
             "rolled back to step_00000004 and skipping its next 2 batches (samples 32-47)"
             in done.stderr), done.stderr[-3000:]
@@ -203,6 +217,15 @@ def test_a_rollback_skips_the_batches_after_the_checkpoint_and_wandb_keeps_one_a
     assert record["guard"]["rollbacks"] == [{"at_step": 8, "to_step": 4,
                                              "skipped_samples": [32, 48]}]
     assert record["guard"]["skipped"] == 2 and record["guard"]["in_a_row"] == []
+    at_4 = json.loads((run / "checkpoints" / "step_00000004" / "complete.json").read_text())
+    retrained = [r["loss"] for r in metrics(run) if "loss" in r][-6:]  # steps 5-10, again
+    assert record["guard"]["losses"] == (at_4["guard"]["losses"] + retrained)[-8:]
+    lrs = [(r["step"], r["lr"]) for r in metrics(run) if "lr" in r]
+    expected = {r["step"]: r["lr"] for r in metrics(reference) if "lr" in r}
+    assert lrs[8:] == [(s, expected[s]) for s in range(5, 11)]  # after the rollback
+    for name in ("step_00000008", "step_00000010"):
+        ours, theirs = (_saved_schedule(r / "checkpoints" / name) for r in (run, reference))
+        assert ours == theirs and ours["num_steps"] == int(name[5:])
     steps = [r["step"] for r in metrics(run) if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10]
     (file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
