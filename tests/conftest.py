@@ -39,6 +39,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _rewrite_interpreted_kernels()
 
 
+def _list_fonts() -> None:
+    """Have matplotlib list the system's fonts now, before any test runs. It does so once per
+    machine, running ``fc-list``, when its font manager is first imported, and caches the list
+    in the home folder (MPLCONFIGDIR or ~/.cache/matplotlib). On a machine that never drew a
+    figure (a fresh CI machine's empty home folder) the first figure would start that process
+    inside a fast-tier test, which the tier check fails; outside a test it is allowed."""
+    import matplotlib.font_manager  # noqa: F401  (importing it builds the cache)
+
+
+_list_fonts()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def exact_fp32_matmuls():
     """fp32 means fp32: tests compare against float64 transcriptions of the equations with

@@ -643,9 +643,9 @@ def test_interpreter_truncates_to_bf16_unless_told_to_round():
 @pytest.mark.parametrize("scheme", ["siamese", "siamese_hybrid", "post"])
 def test_whole_model_fused_matches_torch_in_bf16_after_training(single_rank, device, scheme):
     """A small trained model: the fused model in bf16 is within bf16 rounding of the fp32
-    reference, per tensor no further from it than the torch model in bf16 plus u, and its
-    loss within the mean's bound (tests/bf16_parity.py). On a CPU the kernels run in the
-    interpreter, made to round as a GPU does; on a GPU they are compiled."""
+    reference, per tensor no further from it than the torch model in bf16 plus one rounding
+    and chance, and its loss within the mean's bound (tests/bf16_parity.py). On a CPU the
+    kernels run in the interpreter, made to round as a GPU does; on a GPU they are compiled."""
     cfg, tokens = small_bf16_model(scheme)
     with bf16_parity.interpreter_rounds_to_nearest():
         parity = fused_parity(cfg, tokens, SMALL_LR)

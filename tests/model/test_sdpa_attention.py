@@ -258,7 +258,8 @@ def test_tp2_sdpa_matches_unsharded_local(single_rank, tmp_path):
 # discriminates, its weights rounded to bf16; each backend in bf16 is held to megatron's
 # attention in bf16 and both to the fp32 reference: the loss, the logits and the whole gradient
 # within bounds derived from bf16's unit round-off and the depth, and every tensor (logits and
-# each parameter's gradient) no further from the reference than megatron's attention's + u.
+# each parameter's gradient) no further from the reference than megatron's attention's plus
+# one rounding and chance (bf16_parity.excess_bound).
 
 # name: (model.attention_backend, model.transformer_impl)
 ATTENTION = {"fp32": ("local", "local"), "local": ("local", "local"), "sdpa": ("sdpa", "local"),
@@ -326,7 +327,7 @@ SMALL_SHAPE = dict(hidden_size=64, num_layers=2, ffn_hidden_size=128, seq_length
 def test_sdpa_matches_local_in_bf16_after_training(single_rank, device, scheme):
     """A small trained model (GQA), on this machine's device: SDPA in bf16 within bf16
     rounding of the fp32 reference and, per tensor, no further from it than megatron's
-    attention in bf16 plus u."""
+    attention in bf16 plus one rounding and chance (tests/bf16_parity.py)."""
     parity = attention_parity(scheme, ["sdpa", "local"], batch=4, lr=1e-2, **SMALL_SHAPE)
     print(f"\n{scheme}: {parity.summary('sdpa', 'local')}")
     assert parity.discriminates(), parity.trained
@@ -362,7 +363,8 @@ def gpu_backends() -> list[str]:
 def test_gpu_backends_agree_in_bf16(single_rank, scheme):
     """On a GPU (flash attention; TE's attention and linears where TE is installed), trained:
     every backend in bf16 within bf16 rounding of the fp32 reference and, per tensor, no
-    further from it than megatron's attention in bf16 plus u (tests/bf16_parity.py)."""
+    further from it than megatron's attention in bf16 plus one rounding and chance
+    (tests/bf16_parity.py)."""
     backends = gpu_backends()
     parity = attention_parity(scheme, [*backends, "local"], batch=4, lr=GPU_LR,
                               **GPU_SHAPE)
