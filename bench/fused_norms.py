@@ -227,8 +227,9 @@ def norm_config(args, dtype: torch.dtype = torch.bfloat16):
 
 
 def measure_op(op: Op, args, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-               te_available: bool = False) -> list[dict]:
-    """Rows of one op: every implementation, forward and forward+backward."""
+               te_available: bool = False,
+               keep: Callable[[str], bool] = lambda impl: True) -> list[dict]:
+    """Rows of one op: every implementation ``keep`` accepts, forward and forward+backward."""
     from kernels.backend import NormBackend
 
     config = norm_config(args, dtype)
@@ -247,7 +248,7 @@ def measure_op(op: Op, args, device: str = "cuda", dtype: torch.dtype = torch.bf
         cases += [(impl, build(), op_call(op, None), None) for impl, build in
                   plain_norm_alternatives(args.norm, args.hidden, device, dtype).items()]
     results = []
-    for impl, module, call, tile in cases:
+    for impl, module, call, tile in (case for case in cases if keep(case[0])):
         tensors = op_inputs(op, tokens, args.hidden, dtype, device)
         for pass_name, fn in passes(call, tensors, module).items():
             if tile is not None and pass_name == "fwd":

@@ -18,19 +18,25 @@ NAME_WIDTH = 70
 
 
 def kernel_times(step: Callable[[], None], steps: int) -> dict[str, list[float]]:
-    """{kernel name: [calls per step, GPU ms per step]} over ``steps`` calls of ``step``."""
+    """{kernel name: [calls per step, GPU ms per step]} over ``steps`` calls of ``step``.
+    Without CUDA (a rehearsal of the benchmark on the CPU): CPU operators and their own
+    CPU time instead."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     times = {}
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None)
         if device_us is None:  # torch releases before device_time_total
             device_us = event.cuda_time_total
+        if not cuda:
+            device_us = event.self_cpu_time_total
         if device_us > 0:
             times[event.key] = [event.count / steps, device_us / 1e3 / steps]
     return times
