@@ -73,8 +73,10 @@ def measure_steps(ctx: Context, schemes: tuple[str, ...], rounds: int, layers: i
     when it measures one)."""
     forwarded = _step_args(ctx.sizes, layers, extra)
     pooled: dict[str, dict] = {}
-    data = {"layers": layers, "micro_batch": micro_batch, "rounds_done": 0, "failed": [],
-            "not_run": [], "rows": [], "profiles": {}}
+    s = ctx.sizes
+    data = {"layers": layers, "hidden": s.hidden, "seq": s.seq, "dtype": s.dtype,
+            "micro_batch": micro_batch, "rounds_done": 0, "failed": [], "not_run": [],
+            "rows": [], "profiles": {}}
     longest = 0.0
     for index in range(rounds):
         for scheme in schemes:
@@ -140,25 +142,21 @@ def _pre_row(ctx: Context) -> dict | None:
 def steps(ctx: Context) -> dict:
     """The step table at the 1.3B width: pre, siamese, siamese_hybrid, interleaved."""
     s = ctx.sizes
-    return {"seq": s.seq, "hidden": s.hidden, "dtype": s.dtype,
-            **measure_steps(ctx, ("pre", "siamese", "siamese_hybrid"), s.rounds, s.layers,
-                            s.micro_batch)}
+    return measure_steps(ctx, ("pre", "siamese", "siamese_hybrid"), s.rounds, s.layers,
+                         s.micro_batch)
 
 
 def more_schemes(ctx: Context) -> dict:
     """post and hybridnorm at the step table's setting, as ratios to its pre."""
     s = ctx.sizes
-    return {"seq": s.seq, "hidden": s.hidden, "dtype": s.dtype,
-            **measure_steps(ctx, ("post", "hybridnorm"), s.rounds, s.layers, s.micro_batch,
-                            pre=_pre_row(ctx))}
+    return measure_steps(ctx, ("post", "hybridnorm"), s.rounds, s.layers, s.micro_batch,
+                         pre=_pre_row(ctx))
 
 
 def optimizer(ctx: Context) -> dict:
     """pre at the 1.3B shape's full depth, micro-batch 1: the optimizer step at 1.2B+
     parameters (the target's setting) and the full model's throughput."""
-    s = ctx.sizes
-    return {"seq": s.seq, "hidden": s.hidden, "dtype": s.dtype,
-            **measure_steps(ctx, ("pre",), 1, s.full_layers, 1)}
+    return measure_steps(ctx, ("pre",), 1, ctx.sizes.full_layers, 1)
 
 
 def profile(ctx: Context) -> dict:

@@ -139,4 +139,9 @@ def _write(out: Path, index: int, name: str, data: dict | None, result: dict) ->
     if data is not None:
         (out / f"{index:02d}-{name}.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / f"{RESULT}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / f"{RESULT}.md").write_text(markdown(result))
+    try:
+        page = markdown(result)
+    except Exception as err:  # the JSON is the record; a page that fails must not stop the run
+        page = f"# GPU check\n\nThe page could not be written ({type(err).__name__}: {err}); " \
+               f"see {RESULT}.json.\n"
+    (out / f"{RESULT}.md").write_text(page)

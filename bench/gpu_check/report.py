@@ -31,17 +31,17 @@ def header(result: dict) -> list[str]:
              + (f" (CUDA {env['cuda']})" if env.get("cuda") else "")
              + "".join(f", {name} {version}" for name, version in packages.items()) + ".",
              f"Commit: {commit}" + (" (tree changed since)" if env.get("tree_changed") else "")
-             + (f", from {env['commit_from']}" if env.get("commit_from") else "") + "."]
+             + (f" ({env['commit_from']})" if env.get("commit_from") else "") + "."]
     if result.get("note"):
         lines += ["", result["note"]]
     return lines
 
 
 def parts_table(result: dict) -> list[str]:
-    rows = [[name, p.get("title", ""), p.get("status", "?"), _num(p.get("seconds"), ".0f"),
-             p.get("reason") or p.get("error") or ""] for name, p in result["parts"].items()]
-    return ["", "## Parts", "", markdown_table(["part", "what", "status", "s", "why"], rows,
-                                               right_from=3)]
+    rows = [[name, p.get("title", ""), p.get("status", "?"), p.get("reason") or p.get("error")
+             or "", _num(p.get("seconds"), ".0f")] for name, p in result["parts"].items()]
+    return ["", "## Parts", "", markdown_table(["part", "what", "status", "why", "s"], rows,
+                                               right_from=4)]
 
 
 def calibration(data: dict) -> list[str]:
@@ -52,11 +52,11 @@ def calibration(data: dict) -> list[str]:
 
 def tests(data: dict) -> list[str]:
     counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(data["counts"].items()))
-    rows = [[f"`{t['id']}`", t["outcome"], _num(t.get("seconds"), ".1f"),
-             (t.get("message") or "").replace("|", "/")[:160]] for t in data["tests"]]
+    rows = [[f"`{t['id']}`", t["outcome"], (t.get("message") or "").replace("|", "/")[:160],
+             _num(t.get("seconds"), ".1f")] for t in data["tests"]]
     stopped = " (stopped at the part's budget)" if data.get("stopped_at_budget") else ""
     return ["", "## Correctness tests", "", f"`{data['command']}`{stopped}: {counts}.", "",
-            markdown_table(["test", "outcome", "s", "message"], rows, right_from=2)]
+            markdown_table(["test", "outcome", "message", "s"], rows, right_from=3)]
 
 
 def norms(data: dict) -> list[str]:
@@ -81,9 +81,16 @@ def setting(row: dict, data: dict) -> str:
             f"{row['micro_batch']}, {data['dtype']}")
 
 
+def mfu(row: dict) -> str:
+    """MFU, with its formula where it is not Megatron-LM's (rows converted from old reports)."""
+    formula = row.get("mfu_formula", "Megatron-LM")
+    return _pct(row.get("mfu")) + ("" if formula == "Megatron-LM" or row.get("mfu") is None
+                                   else f" ({formula})")
+
+
 def step_rows(data: dict) -> list[list[str]]:
     return [[r["scheme"], setting(r, data), _num(r.get("step_ms")), _num(r.get("step_ratio"),
-             ".3f"), _num(r.get("tokens_per_s"), ",.0f"), _pct(r.get("mfu")),
+             ".3f"), _num(r.get("tokens_per_s"), ",.0f"), mfu(r),
              _num(r.get("optimizer_ms")), _num(r.get("activation_gib"), ".2f"),
              _num(r.get("activation_ratio"), ".3f"), _num(r.get("peak_gib"), ".2f")]
             for r in data["rows"]]
@@ -121,7 +128,8 @@ SECTIONS = {"calibration": calibration, "tests": tests, "norms": norms,
 
 def not_run(result: dict) -> list[str]:
     lines = [f"- {name}: {p.get('status')}: {p.get('reason') or p.get('error')}"
-             for name, p in result["parts"].items() if p.get("status") != "done"]
+             for name, p in result["parts"].items()
+             if p.get("status") not in ("done", "converted")]
     lines += [f"- {name}: {item}" for name in SECTIONS
               for item in result.get(name, {}).get("not_run", [])]
     lines += [f"- {item}" for item in result.get("not_recorded", [])]
