@@ -1,25 +1,27 @@
 """What every Triton kernel launch of the model compiles to on the GPUs we target, measured on a
-CPU machine: registers per thread, spilled bytes, shared memory, programs resident per SM and
-the waves a 16k-row launch takes.
+CPU machine: registers per thread, local memory (spills), shared memory, programs resident per
+SM and the waves a 16k-row launch takes.
 
     python -m bench.kernel_resources [--arch 90] [--hidden 256,1024,2048,4096,8192]
         [--dtype bf16,fp32] [--norm rmsnorm,layernorm+bias,layernorm] [--rows 16384]
         [--sms 132] [--json]
 
 Each launch ``bench.triton_launches`` records for those widths, dtypes and norms is compiled by
-Triton for ``sm_ARCH`` (90: H100, 80: A100, 100: B200) and its PTX assembled once more by the
-ptxas Triton ships, with ``-v``, which reports registers and spills (a compiled kernel reads
-them from the driver, which this machine need not have). Occupancy follows from those numbers
-by the rules ``kernels.occupancy`` holds, the ones the ops size their backward grids with on a
-GPU: registers per warp rounded up to 256 of a 64K register file, at most 64 warps and 32
-programs per SM, shared memory per program plus 1 KiB reserved. The grid is what the ops
-launch over ``--rows`` rows on ``--sms`` SMs: a forward launch has one program per ROWS rows;
-a backward launch (a kernel looping over rows into weight-gradient partials) one wave of its
-own programs per SM, at least 16 rows each (``kernels.occupancy.backward_programs``), so its
-waves are at most 1; where the kernel fits one program per SM it is compiled again with its
-registers capped for two (``reg cap``), and that compile is the one reported if it does not
-spill (``kernels.occupancy.fit``, as the ops choose on a GPU). Waves above 1 mean programs
-wait for others to finish; a last wave that is a small fraction leaves most SMs idle.
+Triton for ``sm_ARCH`` (90: H100, 80: A100, 100: B200), and its registers and local memory
+(the bytes a thread spills to) are read from the cubin Triton built (``bench.cubin``): the
+binary a GPU loads, assembled by Triton's own ptxas with Triton's own flags, which change
+the answer (a compiled kernel reads these numbers from the driver, which this machine need
+not have). Occupancy follows from them by the rules ``kernels.occupancy`` holds, the ones the
+ops size their backward grids with on a GPU: registers per warp rounded up to 256 of a 64K
+register file, at most 64 warps and 32 programs per SM, shared memory per program plus 1 KiB
+reserved. The grid is what the ops launch over ``--rows`` rows on ``--sms`` SMs: a forward
+launch has one program per ROWS rows; a backward launch (a kernel looping over rows into
+weight-gradient partials) one wave of its own programs per SM, at least 16 rows each
+(``kernels.occupancy.backward_programs``), so its waves are at most 1; where the kernel fits
+one program per SM it is compiled again with its registers capped for two (``reg cap``), and
+that compile is the one reported if it uses no local memory (``kernels.occupancy.fit``, as
+the ops choose on a GPU). Waves above 1 mean programs wait for others to finish; a last wave
+that is a small fraction leaves most SMs idle.
 
 Compiling takes a few seconds per launch the first time (Triton caches the result). Runs
 without a GPU and without TRITON_INTERPRET.
@@ -31,15 +33,12 @@ import argparse
 import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-from triton.backends.nvidia.compiler import get_ptxas
 
 from bench.common import int_list, markdown_table, versions_line
+from bench.cubin import cubin_resources
 from bench.triton_launches import NORMS, Case, arg_type, compile_launch, record_launches
 from kernels import triton_kernels
 from kernels.occupancy import (
@@ -56,37 +55,20 @@ NORM_NAMES = {Case(torch.float32, rms, bias, 0).norm: (rms, bias) for rms, bias 
 PARTIALS_ARG = "dw_ptr"  # the weight-gradient partials of a kernel that loops over rows
 
 
-def ptxas_resources(ptx: str, arch: int, shared: int) -> Resources:
-    """Registers and spills of ``ptx`` for ``sm_ARCH``, from ptxas -v."""
-    ptxas = get_ptxas(arch).path
-    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-    with tempfile.TemporaryDirectory() as folder:
-        source = os.path.join(folder, "kernel.ptx")
-        with open(source, "w") as f:
-            f.write(ptx)
-        done = subprocess.run([ptxas, f"-arch={target}", "-v", source, "-o",
-                               os.path.join(folder, "kernel.cubin")],
-                              capture_output=True, text=True, check=True)
-    registers = re.search(r"Used (\d+) registers", done.stderr)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    if registers is None or spills is None:
-        raise RuntimeError(f"unexpected ptxas report: {done.stderr[-500:]}")
-    return Resources(int(registers.group(1)), int(spills.group(1)), int(spills.group(2)),
-                     shared)
-
-
 _MEASURED: dict[tuple, Resources] = {}
 
 
 def launch_resources(name: str, args: tuple, kwargs: dict, arch: int) -> Resources:
-    """:func:`ptxas_resources` of a recorded launch (``bench.triton_launches``: kernel name,
-    positional args, constexprs and num_warps) compiled for ``sm_ARCH``. Compiled once per
-    kernel, argument types, constexprs and architecture (the launches of one width share
-    their alignment hints)."""
+    """:class:`Resources` of a recorded launch (``bench.triton_launches``: kernel name,
+    positional args, constexprs, num_warps and a register cap) as Triton compiles it for
+    ``sm_ARCH``: registers and local memory from its cubin, shared memory from its metadata.
+    Compiled once per kernel, argument types, constexprs and architecture (the launches of
+    one width share their alignment hints)."""
     key = (name, tuple(arg_type(a) for a in args), tuple(sorted(kwargs.items())), arch)
     if key not in _MEASURED:
         compiled = compile_launch(name, args, dict(kwargs), arch)
-        _MEASURED[key] = ptxas_resources(compiled.asm["ptx"], arch, compiled.metadata.shared)
+        found = cubin_resources(compiled.asm["cubin"], compiled.metadata.name)
+        _MEASURED[key] = Resources(found.registers, found.local, compiled.metadata.shared)
     return _MEASURED[key]
 
 
@@ -159,10 +141,10 @@ def _tile(constexprs: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     header = ["sm", "kernel", "variant", "norm", "dtype", "hidden", "tile", "warps",
-              "reg cap", "regs", "spills st/ld B", "shared KiB", "programs/SM", "grid", "waves"]
+              "reg cap", "regs", "local B", "shared KiB", "programs/SM", "grid", "waves"]
     body = [[str(r["arch"]), r["kernel"], r["variant"], r["norm"], r["dtype"], str(r["hidden"]),
              r["tile"], str(r["num_warps"]), str(r["maxnreg"] or "-"), str(r["registers"]),
-             f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared'] / 1024:.1f}",
+             f"{r['local']:,}", f"{r['shared'] / 1024:.1f}",
              str(r["programs_per_sm"]), f"{r['grid']:,}", f"{r['waves']:.2f}"] for r in rows]
     return markdown_table(header, body, right_from=5)
 
@@ -198,7 +180,7 @@ def main(argv=None) -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    spilling = [r for r in rows if r["local"]]
     print(f"{len(rows)} launches compiled ({versions_line()}); {args.rows:,} rows on "
           f"{args.sms} SMs; {len(spilling)} spill")
     print(table(rows))

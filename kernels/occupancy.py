@@ -51,9 +51,8 @@ class Resources(NamedTuple):
     """What one program of a compiled kernel takes."""
 
     registers: int  # per thread
-    spill_stores: int  # bytes per thread
-    spill_loads: int
-    shared: int  # bytes per program
+    local: int  # bytes of local memory per thread: where its spilled registers go
+    shared: int  # bytes of shared memory per program
 
 
 class Limits(NamedTuple):
@@ -132,7 +131,7 @@ def fit(chosen: Resources, capped: Callable[[int], Resources], num_warps: int,
     cap = register_cap(num_warps, limits)
     found = capped(cap)
     fitted = resident_per_sm(found.registers, found.shared, num_warps, limits)
-    if found.spill_stores or found.spill_loads or fitted <= resident:
+    if found.local or fitted <= resident:
         return Fit(resident, None)
     return Fit(fitted, cap)
 
@@ -160,10 +159,9 @@ def interpreted_programs(n_rows: int) -> int:
 
 def compiled_resources(compiled: Any) -> Resources:
     """:class:`Resources` of a Triton ``CompiledKernel`` whose handles are initialised (so the
-    driver has filled ``n_regs`` and ``n_spills``, its local memory a thread, which is where
-    spills go)."""
-    return Resources(compiled.n_regs, compiled.n_spills, compiled.n_spills,
-                     compiled.metadata.shared)
+    driver has filled ``n_regs`` and ``n_spills``: the driver's local memory bytes a thread,
+    where spills go, which Triton divides by 4 into spilled 32-bit registers)."""
+    return Resources(compiled.n_regs, 4 * compiled.n_spills, compiled.metadata.shared)
 
 
 def _index(device: torch.device) -> int:

@@ -16,6 +16,7 @@ from kernels.occupancy import (
     Resources,
     arch_limits,
     backward_programs,
+    compiled_resources,
     fit,
     launch_programs,
     programs_per_sm,
@@ -50,7 +51,7 @@ def compiled(registers: int, warps: int, shared: int = 0, spills: int = 0) -> Si
     (32, 1, 100 * 1024, 80, 1),
 ])
 def test_programs_per_sm_by_hand(registers, warps, shared, arch, expected):
-    assert programs_per_sm(Resources(registers, 0, 0, shared), warps, arch) == expected
+    assert programs_per_sm(Resources(registers, 0, shared), warps, arch) == expected
 
 
 @pytest.mark.parametrize("n_rows,sms,resident,expected", [
@@ -88,13 +89,14 @@ def test_register_cap_by_hand(warps, registers, expected):
     assert register_cap(warps, arch_limits(90)._replace(registers=registers)) == expected
 
 
-def _capped(registers: int, spills: int = 0):
-    """A capped compile that gives ``registers`` (and ``spills``), recording the caps asked."""
+def _capped(registers: int, local: int = 0):
+    """A capped compile that gives ``registers`` (and ``local`` bytes of spills), recording the
+    caps asked."""
     asked = []
 
     def compile_capped(cap):
         asked.append(cap)
-        return Resources(registers, spills, spills, 0)
+        return Resources(registers, local, 0)
     return compile_capped, asked
 
 
@@ -112,7 +114,7 @@ def _capped(registers: int, spills: int = 0):
 def test_fit_caps_registers_only_where_two_programs_fit_without_a_spill(
         chosen, capped, spills, expected, asked):
     compile_capped, seen = _capped(capped or 0, spills)
-    assert fit(Resources(chosen, 0, 0, 0), compile_capped, 8, arch_limits(90)) == expected
+    assert fit(Resources(chosen, 0, 0), compile_capped, 8, arch_limits(90)) == expected
     assert seen == asked
 
 
@@ -187,6 +189,13 @@ def test_compiled_kernel_on_a_device(kernel, props, expected, monkeypatch):
     found = resident_programs(fake, (), {"num_warps": warps}, torch.device("cuda", 0))
     assert found.resident == expected
     occupancy.sm_count.cache_clear()
+
+
+def test_a_compiled_kernels_local_memory_is_in_bytes():
+    """Triton's ``n_spills`` is the driver's local memory a thread divided by 4 (spilled 32-bit
+    registers): 25 of them are 100 bytes, as a cubin's frame and ``bench.kernel_resources``
+    count them."""
+    assert compiled_resources(compiled(128, 8, 1024, spills=25)) == Resources(128, 100, 1024)
 
 
 @pytest.mark.parametrize("n_rows,expected", [(5, 4), (1_000, 4), (3, 3), (1, 1), (0, 1)])
