@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-fast demo bench lint gpu-check te test-hf-versions lock-refresh
+.PHONY: setup test test-fast demo bench lint gpu-check gpu-bundle gpu-rehearse te test-hf-versions lock-refresh
 setup: $(VENV)/.installed
 
 # requirements.lock pins every package (the versions the suite last passed with).
@@ -25,12 +25,22 @@ demo: setup
 bench: setup
 	$(PY) -m bench.schemes
 
-# On a GPU node: the GPU-only tests (the rest run in `make test`), then the GPU benchmarks.
-gpu-check: setup
-	$(PY) -m pytest -q -m gpu -rs
-	$(PY) -m bench.fused_norms
-	$(PY) -m bench.saved_activations
-	$(PY) -m bench.gpu_step --profile 3
+# Before a GPU loan, on a CPU machine with PyPI: the wheels the GPU machine lacks (checked);
+# prints what the run carries and the command it runs (bench/gpu_check/bundle.py).
+BUNDLE ?= gpu-bundle
+gpu-bundle: setup
+	$(PY) -m bench.gpu_check.bundle --out $(BUNDLE)
+
+# On a lent GPU (no network; its own python3 has CUDA torch, no venv): the bundle's wheels, then
+# the check in priority order within 8 minutes, each part's JSON in $OUT (else runs/gpu-check).
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(BUNDLE)/site $(BUNDLE)/*.whl
+	PYTHONPATH=$(CURDIR)/$(BUNDLE)/site:$(CURDIR) $(GPU_PYTHON) -m bench.gpu_check --bundle $(BUNDLE)
+
+# The same check on the CPU at tiny shapes (Triton's interpreter): a few minutes.
+gpu-rehearse: setup
+	$(PY) -m bench.gpu_check --rehearse
 
 # On a GPU node only: Transformer Engine built against the venv's CUDA torch.
 te: setup

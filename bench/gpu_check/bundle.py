@@ -127,8 +127,9 @@ def build(folder: Path) -> list[Path]:
     return sorted(carried.values())
 
 
-def check(folder: Path) -> list[str]:
-    """What is wrong with the bundle in ``folder`` (empty: nothing)."""
+def check(folder: Path, tree: int) -> list[str]:
+    """What is wrong with the bundle in ``folder`` (empty: nothing), carried with a working
+    tree of ``tree`` bytes."""
     machine, problems, names = machine_packages(), [], {}
     wheels = sorted(folder.glob("*.whl"))
     for wheel in wheels:
@@ -146,7 +147,7 @@ def check(folder: Path) -> list[str]:
             if name not in names and name not in machine:
                 problems.append(f"{wheel.name} requires {requirement}: neither carried nor on "
                                 "the GPU machine")
-    carried = tree_bytes() + sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    carried = tree + sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     if carried > CARRY_LIMIT:
         problems.append(f"tree + bundle {carried / 2**20:.1f} MiB, over the "
                         f"{CARRY_LIMIT / 2**20:.0f} MiB a run carries")
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     try:
         if not args.check_only:
             build(folder)
-        problems = check(folder)
+        problems = check(folder, tree_bytes())
     except BundleError as err:
         print(f"bench.gpu_check.bundle: {err}", file=sys.stderr)
         return 2

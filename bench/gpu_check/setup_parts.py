@@ -34,7 +34,7 @@ def environment(ctx: Context) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "packages": {name: package_version(name) for name in PACKAGES},
-            **commit(ctx.bundle)}
+            **commit(ctx.bundle), "bundle": bundle_state(ctx.bundle)}
     if not torch.cuda.is_available():
         return {**info, "device": "cpu (rehearsal)", "cpus": os.cpu_count()}
     props = torch.cuda.get_device_properties(0)
@@ -57,6 +57,18 @@ def commit(bundle: Path) -> dict:
         return {"commit": built.get("commit"), "tree_changed": built.get("tree_changed"),
                 "commit_from": "the bundle's manifest"}
     return {"commit": None, "commit_from": "unknown: no git and no bundle manifest"}
+
+
+def bundle_state(folder: Path) -> dict:
+    """The carried bundle's wheels and what is wrong with it (the tree's size is counted
+    where git can list it, when the bundle is built)."""
+    from bench.gpu_check.bundle import check
+
+    if not folder.is_dir():
+        return {"folder": str(folder), "present": False}
+    return {"folder": str(folder), "present": True,
+            "wheels": sorted(w.name for w in folder.glob("*.whl")),
+            "problems": check(folder, tree=0)}
 
 
 def _query(command: list[str]) -> str:
