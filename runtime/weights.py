@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from torch.distributed.checkpoint.api import CheckpointException
 
+from runtime import checkpoint_reader
 from runtime.errors import CheckpointError
 
 # torch.distributed.checkpoint wraps read errors in CheckpointException, a BaseException, and
@@ -46,7 +47,7 @@ def first_line(err: BaseException) -> str:
 def check_shapes(sharded: dict, directory: str | Path) -> None:
     """Every model tensor has the checkpoint's global shape: megatron would otherwise load
     the overlap of a larger or smaller tensor (a vocabulary change) without a word."""
-    saved = dist_checkpointing.load_tensors_metadata(str(directory))
+    saved = checkpoint_reader.tensors_metadata(Path(directory))
     for tensor in nested_values(sharded):
         if isinstance(tensor, ShardedTensor) and tensor.key in saved:
             want, have = tuple(saved[tensor.key].global_shape), tuple(tensor.global_shape)
@@ -57,10 +58,11 @@ def check_shapes(sharded: dict, directory: str | Path) -> None:
 
 def read(sharded: dict, directory: str | Path) -> dict:
     """Load ``sharded`` (a state with the model's tensors, and possibly more) after checking
-    its shapes; any failure is one CheckpointError naming the checkpoint."""
+    its shapes; any failure is one CheckpointError naming the checkpoint. No file is read in a
+    way that could run code it names (runtime.checkpoint_reader)."""
     try:
         check_shapes(sharded, directory)
-        return dist_checkpointing.load(sharded, str(directory))
+        return checkpoint_reader.load(sharded, Path(directory))
     except CheckpointError:
         raise
     except LOAD_ERRORS as err:

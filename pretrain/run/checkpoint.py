@@ -58,7 +58,8 @@ def _rank0() -> bool:
 
 # Constructors a pickled numpy array needs: RNG files written before RNG states were saved as
 # tensors hold numpy's state as an array. Allowed explicitly, so every RNG file is read with
-# weights_only=True (no other code a shared checkpoint could name runs on load).
+# weights_only=True; the tensor files are read by runtime.checkpoint_reader, complete.json is
+# JSON: no file of a checkpoint can name code that runs on load.
 NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype,
                        type(np.dtype(np.uint32))]
 

@@ -21,6 +21,7 @@ from model.builder import build_model, wrap_ddp
 from pretrain.config import Config, GuardConfig, OptimConfig, RunConfig
 from pretrain.optim import build_optimizer
 from pretrain.train.guard import SpikeGuard, Verdict, grad_norm_limit_into
+from runtime.checkpoint_reader import common_state
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
 from tests.pretrain_fixtures import REPO, env, metrics, train_args, train_losses
@@ -139,9 +140,7 @@ def _inject(spec: str, args: list[str], log: Path) -> Done:
 
 def _saved_schedule(checkpoint: Path) -> dict:
     """The LR scheduler's state a checkpoint holds (megatron's non-tensor items)."""
-    from megatron.core.dist_checkpointing import load_common_state_dict
-
-    return load_common_state_dict(str(checkpoint))["scheduler"]
+    return common_state(checkpoint)["scheduler"]
 
 
 def _skipped(run) -> dict[int, int]:
