@@ -29,12 +29,12 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.utils import normalize
 
 from pretrain.config import Config, ValidSet, valid_sets
+from pretrain.data.epochs import Reading, blend_weights, log_epochs
 from pretrain.data.position import START, DataPosition
-from pretrain.data.prepare import check_dataset
-from pretrain.report.units import human
+from pretrain.data.verify import check_dataset, check_files
+from pretrain.report.units import count, human
 from runtime import device
 from runtime.errors import ConfigError, DataError
 
@@ -72,28 +72,44 @@ def _check_index_size(config: Config) -> None:
 
 
 def check_data(config: Config, tokenizer) -> None:
-    """Every prefix readable, within the tokenizer's vocabulary, and giving each split the run
-    reads at least one document, and every further validation set (data.valid_sets) too:
-    checked before the run folder is touched."""
+    """Every prefix readable, made by this tokenizer (where its record says), within its
+    vocabulary, and giving each split the run reads at least one document, and every further
+    validation set (data.valid_sets) too: checked before the run folder is touched. Logs how
+    many epochs of each prefix the run reads, warning above one."""
     data = config.data
     _check_index_size(config)
     if not data.prefixes:
         raise ConfigError("data.prefixes is empty: give at least one dataset prefix (PREFIX of "
                           "PREFIX.bin/.idx, e.g. from prepare-data)")
+    wanted = sample_counts(config)
+    weights = blend_weights(data.weights, data.prefixes, wanted[0])
+    for prefix in data.prefixes:  # a missing or cut file among many fails before any scan
+        check_files(prefix)
     # megatron's own split arithmetic, without building a dataset config (that logs through
     # torch.distributed, which does not exist yet at this point)
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split))
-    wanted = sample_counts(config)
-    weights = normalize(data.weights or [1.0] * len(data.prefixes))
-    capacity = []
+    capacity, unrecorded, reads = [], [], []
     for prefix, weight in zip(data.prefixes, weights, strict=True):
-        count = check_dataset(prefix, tokenizer.vocab_size)
-        _check_split_not_empty(prefix, count, data.split, split_matrix, wanted)
+        checked = check_dataset(prefix, tokenizer)
+        if checked.tokenizer is None:
+            unrecorded.append(prefix)
+        _check_split_not_empty(prefix, checked.documents, data.split, split_matrix, wanted)
+        lengths = _sequence_lengths(prefix)
+        train_tokens = _split_tokens(lengths, split_matrix[0])
+        reads.append(Reading(prefix, train_tokens,
+                             wanted[0] * weight * config.seq_length / max(train_tokens, 1)))
         if data.valid_samples:
-            capacity.append((prefix, weight, _valid_sequences(config, prefix, split_matrix[1])))
+            capacity.append((prefix, weight, _split_sequences(config, lengths,
+                                                              split_matrix[1])))
+    if unrecorded:
+        log.info("%s made without a record of its tokenizer (elsewhere, or by an older "
+                 "version): its tokenizer cannot be checked (%s)",
+                 count(len(unrecorded), "data prefix"), ", ".join(unrecorded[:3])
+                 + (", ..." if len(unrecorded) > 3 else ""))
+    log_epochs(reads)
     _check_valid_set_fits(config, capacity)
     for valid_set in valid_sets(data):
-        _check_further_set(config, valid_set, tokenizer.vocab_size)
+        _check_further_set(config, valid_set, tokenizer)
 
 
 def _dataset_config(config: Config, tokenizer, **source) -> GPTDatasetConfig:
@@ -188,15 +204,27 @@ def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix
                 f"({documents} documents in all); add documents or raise its share")
 
 
-def _valid_sequences(config: Config, prefix: str, bounds) -> int:
-    """Validation sequences the validation split of ``prefix`` holds without repeating one."""
-    dataset = IndexedDataset(prefix)  # held: its lengths are a view of its memory map
-    lengths = dataset.sequence_lengths  # megatron splits a prefix by sequence
-    first, last = (int(round(b * len(lengths))) for b in bounds)
-    # A sample reads seq_length + 1 tokens; consecutive samples share one.
-    available = max(int(lengths[first:last].sum()) - 1, 0) // config.seq_length
+def _sequence_lengths(prefix: str) -> np.ndarray:
+    """The token count of every sequence of ``prefix`` (megatron splits a prefix by
+    sequence), read from its .idx."""
+    dataset = IndexedDataset(prefix)  # the lengths are a view of its memory map: copied
+    lengths = np.array(dataset.sequence_lengths, dtype=np.int64)
     del dataset
-    return available
+    return lengths
+
+
+def _split_tokens(lengths: np.ndarray, bounds) -> int:
+    """Tokens in the split of a prefix whose sequence lengths are ``lengths``."""
+    if not bounds:
+        return 0
+    first, last = (int(round(b * len(lengths))) for b in bounds)
+    return int(lengths[first:last].sum())
+
+
+def _split_sequences(config: Config, lengths: np.ndarray, bounds) -> int:
+    """Sequences of seq_length the split holds without repeating one: a sample reads
+    seq_length + 1 tokens; consecutive samples share one."""
+    return max(_split_tokens(lengths, bounds) - 1, 0) // config.seq_length
 
 
 def largest_valid_samples(capacity: list[tuple[str, float, int]], global_batch: int) -> int:
@@ -232,17 +260,17 @@ def _check_valid_set_fits(config: Config, capacity: list[tuple[str, float, int]]
             f"{d.split!r}) holds {available}; {fix}")
 
 
-def _check_further_set(config: Config, valid_set: ValidSet, vocab_size: int) -> None:
+def _check_further_set(config: Config, valid_set: ValidSet, tokenizer) -> None:
     """A set of data.valid_sets passes the checks of a training prefix (readable, every token
     id within the tokenizer's vocabulary: a set tokenised with a larger vocabulary fails
     here) and holds its sample count without repeating a sample, the default set's rule;
     refused otherwise, naming the largest count that works."""
     name, prefix, samples = valid_set
     try:
-        documents = check_dataset(prefix, vocab_size)
+        documents = check_dataset(prefix, tokenizer).documents
     except DataError as err:
         raise DataError(f"data.valid_sets '{name}': {err}") from None
-    available = _valid_sequences(config, prefix, (0.0, 1.0))
+    available = _split_sequences(config, _sequence_lengths(prefix), (0.0, 1.0))
     if samples <= available:
         return
     batch = config.data.global_batch_size

@@ -4,13 +4,14 @@ Every document is followed by the tokenizer's EOD token and is one megatron docu
 dtype is the one megatron picks for the vocabulary (``DType.optimal_dtype``: uint16 below 65,500
 ids, else int32), so files made here and by Megatron-LM's preprocessing are interchangeable in
 both directions. Output goes to temporary names and is renamed into place at the end; existing
-outputs are never overwritten, so an interrupted or mistaken run loses nothing.
+outputs are never overwritten, so an interrupted or mistaken run loses nothing. Beside them goes
+the dataset's record (``PREFIX.record.json``, :mod:`pretrain.data.record`): the tokenizer that
+made it and its token-id range, so a start checks both without reading the corpus.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 import sys
 import time
 from collections import deque
@@ -19,16 +20,18 @@ from itertools import islice
 from multiprocessing import Pool
 from multiprocessing.pool import AsyncResult
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
+from pretrain.data import record
 from pretrain.data.documents import check_input, iter_documents
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
-from pretrain.paths import require_creatable, require_file
-from runtime.errors import ConfigError, DataError
+from pretrain.paths import require_creatable
+from runtime.errors import ConfigError
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
 # the few in flight (2 per worker) bound memory; the corpus is never held whole.
@@ -36,8 +39,6 @@ CHUNK_DOCUMENTS = 256
 # Without a terminal (a log file) a progress bar is one long line of carriage returns: a plain
 # line at most this often instead.
 LOG_SECONDS = 30.0
-# Token ids scanned at once by check_dataset: bounded memory on arbitrarily large files.
-SCAN_TOKENS = 1 << 26
 
 _worker_tokenizer: Tokenizer | None = None
 
@@ -84,10 +85,17 @@ def _encoded(inputs: list[str], tokenizer: Tokenizer, workers: int,
             yield window.popleft().get()
 
 
-def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> tuple[int, int]:
+class Written(NamedTuple):
+    documents: int
+    tokens: int
+    ids: tuple[int, int]  # the lowest and highest token id, for the dataset's record
+
+
+def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> Written:
     """One item and one document per input document, as Megatron-LM's preprocessing writes
     them without sentence splitting."""
     documents = tokens = 0
+    lowest, highest = np.iinfo(np.int64).max, -1
     terminal = sys.stderr.isatty()
     last_line = time.monotonic()
     with tqdm(desc="tokenising", unit="doc", file=sys.stderr, disable=not terminal) as bar:
@@ -97,12 +105,14 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> tuple[int, int]:
                 builder.end_document()
             documents += len(lengths)
             tokens += len(ids)
+            if len(ids):
+                lowest, highest = min(lowest, int(ids.min())), max(highest, int(ids.max()))
             bar.update(len(lengths))
             if not terminal and time.monotonic() - last_line >= LOG_SECONDS:
                 print(f"tokenising: {documents:,} documents, {tokens:,} tokens", file=sys.stderr,
                       flush=True)
                 last_line = time.monotonic()
-    return documents, tokens
+    return Written(documents, tokens, (lowest, highest))
 
 
 def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
@@ -129,7 +139,7 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
     tmp_bin, tmp_idx = (Path(f"{p}.tmp{os.getpid()}") for p in (bin_path, idx_path))
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-        documents, tokens = _write(builder, _encoded(inputs, tokenizer, workers, text_field))
+        written = _write(builder, _encoded(inputs, tokenizer, workers, text_field))
         builder.finalize(str(tmp_idx))
         for tmp, final in ((tmp_bin, bin_path), (tmp_idx, idx_path)):
             if final.exists():  # appeared while we worked: still never overwrite it
@@ -139,65 +149,7 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
     finally:
         tmp_bin.unlink(missing_ok=True)
         tmp_idx.unlink(missing_ok=True)
-    return {"documents": documents, "tokens": tokens, "dtype": np.dtype(dtype).name,
-            "prefix": output_prefix}
-
-
-# The .idx layout megatron writes: magic, version 1, dtype code, then the sequence and
-# document counts, then int32 lengths, int64 pointers (one per sequence), int64 document starts.
-INDEX_MAGIC = b"MMIDIDX\x00\x00"
-INDEX_HEADER = struct.Struct("<9sQBQQ")
-
-
-def _check_index(path: str) -> None:
-    """The .idx header and size agree, checked before megatron opens it: its reader asserts on
-    a bad file and then fails again in ``__del__``, printing a traceback after our error."""
-    with open(path, "rb") as f:
-        head = f.read(INDEX_HEADER.size)
-    if len(head) < INDEX_HEADER.size or not head.startswith(INDEX_MAGIC):
-        raise DataError(f"data file '{path}' is not a Megatron index (bad header)")
-    _, version, _, sequences, documents = INDEX_HEADER.unpack(head)
-    expected = INDEX_HEADER.size + sequences * (4 + 8) + documents * 8
-    size = os.path.getsize(path)
-    if version != 1 or size != expected:
-        raise DataError(f"data file '{path}' is truncated or damaged: {size} bytes, its "
-                          f"header describes {expected} (version {version})")
-
-
-def _open(prefix: str) -> IndexedDataset:
-    for suffix in (".bin", ".idx"):
-        require_file(prefix + suffix, "data file", DataError)
-    _check_index(prefix + ".idx")
-    try:
-        return IndexedDataset(prefix)
-    except Exception as err:  # megatron asserts (or fails to unpack) on malformed index files
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DataError(f"data prefix '{prefix}' is not a readable Megatron indexed dataset "
-                          f"({text})") from None
-
-
-def check_dataset(prefix: str, vocab_size: int) -> int:
-    """Check a dataset (ours or Megatron-LM's) before training on it; returns its number of
-    documents. A .bin that does not match its .idx, or a token id outside the vocabulary,
-    would otherwise surface mid-run as a read past the end or a CUDA index assertion."""
-    index = _open(prefix).index
-    dtype = np.dtype(index.dtype)
-    count = int(index.sequence_pointers[-1]) // dtype.itemsize + int(index.sequence_lengths[-1]) \
-        if len(index) else 0
-    size = os.path.getsize(prefix + ".bin")
-    if size != count * dtype.itemsize:
-        raise DataError(f"data file '{prefix}.bin' has {size} bytes but '{prefix}.idx' "
-                          f"describes {count * dtype.itemsize}")
-    if count == 0:
-        raise DataError(f"data prefix '{prefix}' holds no tokens")
-    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(count,))
-    for start in range(0, count, SCAN_TOKENS):
-        chunk = tokens[start:start + SCAN_TOKENS]
-        highest = int(chunk.max())
-        if highest >= vocab_size:
-            raise DataError(f"data prefix '{prefix}' has token id {highest} >= tokenizer "
-                              f"vocab_size {vocab_size}")
-        lowest = int(chunk.min()) if dtype.kind == "i" else 0
-        if lowest < 0:
-            raise DataError(f"data prefix '{prefix}' has negative token id {lowest}")
-    return len(index.document_indices) - 1
+    record.write(output_prefix, record.make(output_prefix, written.tokens, written.documents,
+                                            written.ids, tokenizer))
+    return {"documents": written.documents, "tokens": written.tokens,
+            "dtype": np.dtype(dtype).name, "prefix": output_prefix}

@@ -19,12 +19,11 @@ another file system keeps a run resumable.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from typing import Any
 
 from pretrain.config import Config
+from pretrain.data.record import fingerprint
 from pretrain.data.tokenizer import open_tokenizer
 from runtime.errors import CheckpointError
 
@@ -41,27 +40,11 @@ CHANGEABLE_MODEL_FIELDS = frozenset({
 # its own input norm and no MLP norm on x. No version builds it now; its checkpoints are
 # refused by name rather than loaded into another function.
 RETIRED_GATED_FIRST_BLOCK = "gated (HybridNorm* of earlier versions, no longer built)"
-FINGERPRINT_BYTES = 1 << 20
 
 
 def model_identity(config: Config) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict()["model"].items()
             if k not in CHANGEABLE_MODEL_FIELDS}
-
-
-def fingerprint(prefix: str) -> str:
-    """A short content hash of a dataset: the sizes of .bin and .idx and the head and tail of
-    the .idx (its header and the document table). Cheap for any corpus size, and different
-    for any other tokenisation or document set in practice."""
-    digest = hashlib.sha256()
-    idx = prefix + ".idx"
-    size = os.path.getsize(idx)
-    digest.update(f"{os.path.getsize(prefix + '.bin')}:{size}".encode())
-    with open(idx, "rb") as f:
-        digest.update(f.read(FINGERPRINT_BYTES))
-        f.seek(max(0, size - FINGERPRINT_BYTES))
-        digest.update(f.read(FINGERPRINT_BYTES))
-    return digest.hexdigest()[:16]
 
 
 def data_identity(config: Config) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from megatron.core.datasets.utils import Split
 
 from pretrain.data import prepare
 from pretrain.data.documents import iter_documents
-from pretrain.data.prepare import check_dataset, prepare_data
+from pretrain.data.prepare import prepare_data
+from pretrain.data.verify import check_dataset
 from pretrain.data.tokenizer import (
     BOS,
     EOS,
@@ -33,6 +34,7 @@ from pretrain.data.tokenizer import (
 )
 from pretrain.unsharded.generate import completion
 from runtime.errors import UserError
+from tests.pretrain.data.datasets import stub_tokenizer
 
 VOCAB = 400
 TRICKY = [
@@ -173,12 +175,13 @@ def test_prepare_data_reads_back(tokenizers, corpus, tmp_path, monkeypatch):
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "extra.jsonl", "w1.bin", "w1.idx", "w2.bin", "w2.idx"]  # no temporary files left
+        "extra.jsonl", "w1.bin", "w1.idx", "w1.record.json", "w2.bin", "w2.idx",
+        "w2.record.json"]  # no temporary files left
     dataset = IndexedDataset(str(tmp_path / "w1"))
     assert dataset.index.dtype == DType.optimal_dtype(tok.vocab_size) == np.uint16
     assert len(dataset) == len(dataset.index.document_indices) - 1 == len(documents)
     assert [dataset[i].tolist() for i in range(len(dataset))] == expected
-    assert check_dataset(str(tmp_path / "w1"), tok.vocab_size) == len(documents)
+    assert check_dataset(str(tmp_path / "w1"), tok).documents == len(documents)
 
 
 def test_gpt_dataset_accepts_tokenizer(tokenizers, corpus, tmp_path):
@@ -208,7 +211,7 @@ def test_megatron_builder_files_pass_check(tmp_path, dtype):
                   for _ in range(rng.integers(1, 4))] for _ in range(25)]
     prefix = tmp_path / "megatron"
     _megatron_dataset(prefix, documents, dtype)
-    assert check_dataset(str(prefix), vocab) == len(documents)
+    assert check_dataset(str(prefix), stub_tokenizer(vocab)).documents == len(documents)
     dataset = IndexedDataset(str(prefix))
     assert dataset.index.dtype == dtype
     sequences = [seq for doc in documents for seq in doc]
@@ -292,19 +295,20 @@ def test_bad_datasets(tmp_path):
     prefix = tmp_path / "data"
     _megatron_dataset(prefix, [[[5, 499, 7]], [[1, 2]]], np.uint16)
     _raises(f"data prefix '{prefix}' has token id 499 >= tokenizer vocab_size 300",
-            check_dataset, str(prefix), 300)
-    assert check_dataset(str(prefix), 500) == 2
+            check_dataset, str(prefix), stub_tokenizer(300))
+    assert check_dataset(str(prefix), stub_tokenizer(500)).documents == 2
     bin_bytes = (tmp_path / "data.bin").read_bytes()
     (tmp_path / "data.bin").write_bytes(bin_bytes[:-2])
     _raises(f"data file '{prefix}.bin' has 8 bytes but '{prefix}.idx' describes 10",
-            check_dataset, str(prefix), 500)
+            check_dataset, str(prefix), stub_tokenizer(500))
     (tmp_path / "data.idx").write_bytes(b"not an index at all")
     _raises(f"data file '{prefix}.idx' is not a Megatron index (bad header)",
-            check_dataset, str(prefix), 500)
+            check_dataset, str(prefix), stub_tokenizer(500))
     (tmp_path / "data.idx").unlink()
-    _raises(f"data file '{prefix}.idx' does not exist", check_dataset, str(prefix), 500)
+    _raises(f"data file '{prefix}.idx' does not exist", check_dataset, str(prefix),
+            stub_tokenizer(500))
     _raises(f"data file '{tmp_path}/none.bin' does not exist", check_dataset,
-            str(tmp_path / "none"), 500)
+            str(tmp_path / "none"), stub_tokenizer(500))
 
 
 @pytest.mark.parametrize("kind", ["bpe", "unigram"])

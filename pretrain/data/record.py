@@ -1,0 +1,174 @@
+"""A dataset's record: ``PREFIX.record.json`` beside ``PREFIX.bin``/``.idx``.
+
+It says which tokenizer made the dataset (its content hash, path and vocabulary size, as a
+checkpoint records its own) and the lowest and highest token id in the ``.bin``, for the files
+it was made for (sizes and modification times of both, and :func:`fingerprint` of the
+``.idx``). A start then checks the vocabulary by reading one small file instead of every token
+of the corpus, which at 100B tokens would be minutes per node at every start.
+
+``prepare-data`` writes it. A dataset made elsewhere (Megatron-LM's preprocessing, an older
+version of this framework) has none: the first start scans its tokens once and records the
+result without a tokenizer, so later starts are as fast and the tokenizer stays unknown. A
+record whose files changed is not trusted: a ``.bin`` with another size or time is scanned
+again; a ``.idx`` with other contents (another tokenisation) also loses the tokenizer. A record
+that cannot be read is refused, naming it, rather than guessed around.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import DataError
+
+log = logging.getLogger("pretrain")
+
+SUFFIX = ".record.json"
+VERSION = 1
+# Token ids scanned at once: bounded memory on arbitrarily large files.
+SCAN_TOKENS = 1 << 26
+# The head and tail of the .idx that identify it (its header and the document table).
+FINGERPRINT_BYTES = 1 << 20
+
+
+def path_of(prefix: str) -> Path:
+    return Path(prefix + SUFFIX)
+
+
+def fingerprint(prefix: str) -> str:
+    """A short content hash of a dataset: the sizes of .bin and .idx and the head and tail of
+    the .idx (its header and the document table). Cheap for any corpus size, and different
+    for any other tokenisation or document set in practice."""
+    digest = hashlib.sha256()
+    idx = prefix + ".idx"
+    size = os.path.getsize(idx)
+    digest.update(f"{os.path.getsize(prefix + '.bin')}:{size}".encode())
+    with open(idx, "rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def file_state(prefix: str) -> dict[str, list[int]]:
+    """[size, mtime_ns] of the .bin and the .idx: what a record is valid for."""
+    state = {}
+    for suffix in ("bin", "idx"):
+        stat = os.stat(f"{prefix}.{suffix}")
+        state[suffix] = [stat.st_size, stat.st_mtime_ns]
+    return state
+
+
+def tokenizer_entry(tokenizer) -> dict[str, Any]:
+    return {"path": tokenizer.path, "sha256": tokenizer.unique_identifiers["model_sha256"],
+            "vocab_size": tokenizer.vocab_size}
+
+
+def scan(tokens: np.ndarray) -> tuple[int, int]:
+    """(lowest, highest) token id, a bounded chunk at a time."""
+    lowest, highest = None, None
+    for start in range(0, len(tokens), SCAN_TOKENS):
+        chunk = tokens[start:start + SCAN_TOKENS]
+        low, high = int(chunk.min()), int(chunk.max())
+        lowest = low if lowest is None else min(lowest, low)
+        highest = high if highest is None else max(highest, high)
+    return (lowest or 0), (highest or 0)
+
+
+def make(prefix: str, tokens: int, documents: int, ids: tuple[int, int],
+         tokenizer=None) -> dict[str, Any]:
+    """The record of ``prefix`` as its files are now: ``ids`` is (lowest, highest), the
+    tokenizer (None: unknown) made it."""
+    lowest, highest = ids
+    return {"version": VERSION,
+            "tokenizer": tokenizer_entry(tokenizer) if tokenizer is not None else None,
+            "tokens": int(tokens), "documents": int(documents),
+            "min_id": int(lowest), "max_id": int(highest),
+            "files": file_state(prefix), "idx_fingerprint": fingerprint(prefix)}
+
+
+def write(prefix: str, record: dict[str, Any]) -> None:
+    """Atomically: a reader sees the old record or the new one, never half of one."""
+    path = path_of(prefix)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read(prefix: str) -> dict[str, Any] | None:
+    """The record of ``prefix``, None if it has none; a damaged one is refused."""
+    path = path_of(prefix)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+        valid = (record["version"] == VERSION
+                 and all(isinstance(record[k], int) for k in ("tokens", "documents", "min_id",
+                                                                "max_id"))
+                 and set(record["files"]) == {"bin", "idx"}
+                 and isinstance(record["idx_fingerprint"], str)
+                 and (record["tokenizer"] is None or isinstance(record["tokenizer"]["sha256"],
+                                                                  str)))
+    except (ValueError, KeyError, TypeError):
+        valid = False
+    if not valid:
+        raise DataError(f"data record '{path}' is damaged (not a version {VERSION} record); "
+                        "delete it and the next start scans the dataset again")
+    return record
+
+
+@contextmanager
+def _exclusive(prefix: str):
+    """One process at a time scans and records ``prefix`` (a job's ranks start together):
+    a lock on its .idx, which needs no write access and leaves no file behind."""
+    with open(prefix + ".idx", "rb") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _still_valid(record: dict[str, Any] | None, prefix: str) -> bool:
+    """Whether ``record`` describes the files as they are now."""
+    return record is not None and record["files"] == file_state(prefix)
+
+
+def current(prefix: str, tokens: np.ndarray, documents: int) -> dict[str, Any]:
+    """The record describing ``prefix`` now: the stored one when its files are unchanged,
+    else a fresh scan, recorded for the next start where the folder is writable."""
+    stored = read(prefix)
+    if _still_valid(stored, prefix):
+        return stored
+    with _exclusive(prefix):
+        stored = read(prefix)  # another rank may have recorded it while this one waited
+        if _still_valid(stored, prefix):
+            return stored
+        tokenizer = None
+        if stored is not None:
+            same_tokens = stored["idx_fingerprint"] == fingerprint(prefix)
+            tokenizer = stored["tokenizer"] if same_tokens else None
+            log.info("data record %s describes other files than %s.bin/.idx (%s); scanning "
+                     "its %s tokens again", path_of(prefix), prefix,
+                     "times changed" if same_tokens else "contents changed", f"{len(tokens):,}")
+        else:
+            log.info("data prefix %s has no record (%s): scanning its %s tokens once",
+                     prefix, SUFFIX, f"{len(tokens):,}")
+        fresh = make(prefix, len(tokens), documents, scan(tokens))
+        fresh["tokenizer"] = tokenizer
+        try:
+            write(prefix, fresh)
+        except OSError:
+            log.info("data record %s cannot be written (a read-only folder): every start "
+                     "scans %s again", path_of(prefix), prefix)
+        return fresh
