@@ -21,6 +21,7 @@ from megatron.core.transformer.module import param_is_not_shared
 
 from kernels.backend import NormBackend, resolve
 from model.config import ModelConfig, ParallelConfig
+from model.gpt import GPT
 from model.init import initialize
 from model.megatron_config import transformer_config
 from model.spec import block_spec
@@ -31,21 +32,24 @@ from runtime.grads import finalize_grads
 def build_model(
     model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
     norm_backend: NormBackend | str = NormBackend.AUTO, seed: int | None = None,
+    positions_per_token: bool = False,
 ) -> list[GPTModel]:
     """The chunks of ``model`` this rank holds. ``norm_backend`` (``kernels.norm_backend``) is
     resolved here, once, and every norm of the model computes with it. The initial weights are
     a function of ``seed`` (default: the seed torch was last seeded with) and ``model`` only
-    (``model.init``), whatever the layout."""
+    (``model.init``), whatever the layout. ``positions_per_token``: rotary angles from each
+    token's position id (positions that restart at each packed document; model/gpt.py)."""
     seed = torch.initial_seed() if seed is None else seed
     backend = resolve(norm_backend)
-    config = transformer_config(model, parallel, params_dtype)
+    config = transformer_config(model, parallel, params_dtype, positions_per_token)
     config.finalize_model_grads_func = finalize_grads
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for stage in range(parallel.model_chunks):
         vp_stage = stage if parallel.vp is not None else None
-        chunk = GPTModel(
+        chunk = GPT(
             config=config,
+            positions_per_token=positions_per_token,
             transformer_layer_spec=block_spec(model, config, vp_stage, pp_rank, backend),
             vocab_size=model.padded_vocab_size,
             max_sequence_length=model.seq_length,

@@ -17,7 +17,8 @@ from model.schemes import Activation, PositionEmbedding, Recompute
 
 
 def transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32
+    model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype = torch.float32,
+    positions_per_token: bool = False,
 ) -> TransformerConfig:
     """Build megatron's TransformerConfig; the only place its fields are chosen.
 
@@ -33,7 +34,8 @@ def transformer_config(
     - ``qk_layernorm`` for Q/K/V-norm schemes: it makes megatron sum the per-head norm
       gradients across TP ranks (every rank normalises different heads with shared weights).
     - megatron's fusions (``model.megatron_fusions``): SwiGLU(+bias), bias+dropout+add and
-      the native cross-entropy need only torch.compile; RoPE fusion needs TE, gradient
+      the native cross-entropy need only torch.compile; RoPE fusion needs TE (and rotary
+      angles per position, not per token: off with ``positions_per_token``, model/gpt.py), gradient
       accumulation fusion TE's linears (megatron's own would need apex). megatron's fused GELU
       is the tanh approximation, another function than the model's exact GELU, so GELU stays
       unfused. The native fused cross-entropy casts the logits' gradient to
@@ -90,7 +92,8 @@ def transformer_config(
         cross_entropy_loss_fusion=fused and bf16,
         cross_entropy_fusion_impl="native",
         masked_softmax_fusion=False,
-        apply_rope_fusion=fused and model.position_embedding is PositionEmbedding.ROPE
+        apply_rope_fusion=(fused and model.position_embedding is PositionEmbedding.ROPE
+                           and not positions_per_token)
         and te_available(),
         gradient_accumulation_fusion=fused and te_linears,
         persist_layer_norm=False,

@@ -13,12 +13,20 @@ so a spec can swap it in for ``DotProductAttention`` wherever Transformer Engine
 Grouped-query attention passes ``enable_gqa`` where the flash kernel can take it (CUDA, 16-bit,
 head_dim <= 256); elsewhere SDPA would fall back to its unfused path for GQA, so K/V are
 expanded per query head first, as megatron does.
+
+Document attention (``model.documents``: the mask is document ids) takes one of two paths,
+chosen when the module is built: on CUDA, flex attention with a block mask made from the ids
+(compiled once; blocks outside every document are skipped and no s x s tensor exists); on the
+CPU, SDPA with the exact boolean mask (same document and causal), [b, 1, s, s] bytes per
+micro-batch. Flex attention has no dropout: with attention dropout in training the exact mask
+is used on CUDA too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +36,52 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from model import documents
+from runtime import device
+
 _FLASH_MAX_HEAD_DIM = 256
+
+
+class DocumentKernel:
+    FLEX = "flex"  # flex attention, block mask from the ids (CUDA)
+    MASK = "mask"  # SDPA with the exact [b, 1, s, s] boolean mask (any device)
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_last_block_mask: tuple = (None, None, None)
+
+
+def _block_mask(mask: torch.Tensor, heads: int, sq: int, sk: int):
+    """The block mask of one micro-batch's document ids, made once for all its layers: the
+    last one is kept with a weak reference to the ids tensor it was made from, so a new
+    micro-batch's ids (a new tensor, perhaps at the freed one's address) never reuse it."""
+    global _last_block_mask
+    source, shape, block_mask = _last_block_mask
+    if source is None or source() is not mask or shape != (sq, sk):
+        block_mask = documents.flex_block_mask(mask, heads, sq, sk)
+        _last_block_mask = (weakref.ref(mask), (sq, sk), block_mask)
+    return block_mask
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, block_mask, scale: float, gqa: bool):
+    """flex attention, compiled on first use (uncompiled it computes the full score matrix)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False) \
+            if q.is_cuda else flex_attention
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
 class SDPAttention(MegatronModule):
@@ -38,6 +91,9 @@ class SDPAttention(MegatronModule):
     """
 
     native_gqa: bool | None = None
+    document_kernel: str | None = None
+    """Forces the document-attention path (:class:`DocumentKernel`) for modules built after it
+    is set; None picks flex attention on CUDA where torch has it, else the exact mask."""
 
     def __init__(
         self,
@@ -76,6 +132,9 @@ class SDPAttention(MegatronModule):
                               else 1.0 / math.sqrt(self.hidden_size_per_attention_head))
         self.dropout_p = config.attention_dropout if attention_dropout is None \
             else attention_dropout
+        self.documents = self.document_kernel or (
+            DocumentKernel.FLEX if device.uses_cuda() and _flex_available()
+            else DocumentKernel.MASK)
 
     def _use_native_gqa(self, query: torch.Tensor) -> bool:
         if self.native_gqa is not None:
@@ -111,11 +170,16 @@ class SDPAttention(MegatronModule):
             key = key.repeat_interleave(groups, dim=2)
             value = value.repeat_interleave(groups, dim=2)
 
-        mask, causal = self._mask(attention_mask, attn_mask_type or self.attn_mask_type, sq, sk,
-                                  query.device)
         dropout_p = self.dropout_p if self.training else 0.0
         # [s, b, h, d] -> [b, h, s, d]: a view; the kernels accept these strides.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if (documents.is_document_ids(attention_mask) and dropout_p == 0.0
+                and self.documents == DocumentKernel.FLEX):
+            block_mask = _block_mask(attention_mask, heads, sq, sk)
+            context = _flex(q, k, v, block_mask, self.softmax_scale, gqa)
+            return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+        mask, causal = self._mask(attention_mask, attn_mask_type or self.attn_mask_type, sq, sk,
+                                  query.device)
         with self._dropout_rng(dropout_p):
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
@@ -127,7 +191,10 @@ class SDPAttention(MegatronModule):
     @staticmethod
     def _mask(attention_mask, mask_type, sq: int, sk: int, device):
         """(boolean keep-mask or None, is_causal). megatron's masks mark positions to drop
-        (True = masked); SDPA's boolean masks mark positions to keep."""
+        (True = masked); SDPA's boolean masks mark positions to keep. Document ids
+        (``model.documents``) become the exact keep-mask."""
+        if documents.is_document_ids(attention_mask):
+            return documents.keep_mask(attention_mask, sq, sk), False
         if attention_mask is not None:
             return ~attention_mask.bool(), False
         if mask_type is not AttnMaskType.causal or sq == 1:  # sq == 1: one query sees all keys

@@ -16,7 +16,6 @@ from functools import partial
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -45,6 +44,7 @@ from model.config import ModelConfig, require
 from model.layers import SCHEME_FILES
 from model.layers.base import LayerChoice, SchemeLayerSubmodules
 from model.layers.merge import StreamMergeNorm
+from model.local_attention import LocalAttention
 from model.schemes import FinalNorm, Normalization
 from model.sdpa_attention import SDPAttention
 
@@ -85,7 +85,7 @@ def core_attention(model: ModelConfig):
     backend = resolve_attention_backend(model.attention_backend)
     if backend is AttentionBackend.TE:
         return te_module("TEDotProductAttention")
-    return SDPAttention if backend is AttentionBackend.SDPA else DotProductAttention
+    return SDPAttention if backend is AttentionBackend.SDPA else LocalAttention
 
 
 def attention_spec(model: ModelConfig, backend: NormBackend,

@@ -27,6 +27,7 @@ from model import sdpa_attention
 from model.backends import te_available
 from model.builder import build_model, wrap_ddp
 from model.config import ParallelConfig
+from model.local_attention import LocalAttention
 from model.sdpa_attention import SDPAttention
 from runtime import weights
 from runtime.launcher import standalone_env
@@ -126,7 +127,7 @@ def test_whole_model_sdpa_matches_local(single_rank, scheme):
         torch.manual_seed(0)
         [model] = build_model(tiny_model(scheme, attention_backend=backend), ParallelConfig())
         kind = type(model.decoder.layers[0].self_attention.core_attention)
-        assert kind is (SDPAttention if backend == "sdpa" else DotProductAttention)
+        assert kind is (SDPAttention if backend == "sdpa" else LocalAttention)
         batch = batches(1)[0]
         loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).mean()
         loss.backward()
