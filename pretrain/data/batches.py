@@ -30,6 +30,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from model.documents import attention_mask, document_ids
 from pretrain.config import Config, ValidSet, valid_sets
 from pretrain.data.epochs import Reading, blend_weights, log_epochs
 from pretrain.data.position import START, DataPosition
@@ -102,8 +103,8 @@ def check_data(config: Config, tokenizer) -> None:
             capacity.append((prefix, weight, _split_sequences(config, lengths,
                                                               split_matrix[1])))
     if unrecorded:
-        log.info("%s made without a record of its tokenizer (elsewhere, or by an older "
-                 "version): its tokenizer cannot be checked (%s)",
+        log.info("%s without a record of the tokenizer that made them (made elsewhere, or "
+                 "by an older version): the tokenizer is not checked (%s)",
                  count(len(unrecorded), "data prefix"), ", ".join(unrecorded[:3])
                  + (", ..." if len(unrecorded) > 3 else ""))
     log_epochs(reads)
@@ -125,9 +126,9 @@ def _dataset_config(config: Config, tokenizer, **source) -> GPTDatasetConfig:
         **source,
         path_to_cache=data.cache_dir or f"{config.run.dir}/data_cache",
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.document_attention,  # carried to _collate; no s x s mask
+        eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,
         mid_level_dataset_surplus=0.05,
     )
@@ -283,11 +284,19 @@ def _check_further_set(config: Config, valid_set: ValidSet, tokenizer) -> None:
         f"{config.seq_length} tokens, but its {documents} documents hold {available}; {fix}")
 
 
-def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+def _collate(samples: list[dict], dataset_config: GPTDatasetConfig) -> dict[str, torch.Tensor]:
+    """One micro-batch on the compute device. With document attention (the dataset's
+    ``reset_attention_mask``, created from data.document_attention) it carries the document
+    ids as the model's attention mask (model.documents): megatron would build an s x s mask
+    per sample instead."""
     keys = ("tokens", "labels", "loss_mask", "position_ids")
     target = device.compute_device()
-    return {k: torch.stack([s[k] for s in samples]).to(target, non_blocking=True)
-            for k in keys}
+    batch = {k: torch.stack([s[k] for s in samples]).to(target, non_blocking=True)
+             for k in keys}
+    if dataset_config.reset_attention_mask:
+        ids = document_ids(batch["tokens"], dataset_config.tokenizer.eod)
+        batch["attention_mask"] = attention_mask(ids)
+    return batch
 
 
 def step_microbatches(dataset, start: int, global_batch: int,
@@ -298,7 +307,8 @@ def step_microbatches(dataset, start: int, global_batch: int,
     rank = parallel_state.get_data_parallel_rank()
     for offset in range(0, global_batch, micro_batch * dp):
         first = start + offset + rank * micro_batch
-        yield _collate([dataset[i % len(dataset)] for i in range(first, first + micro_batch)])
+        yield _collate([dataset[i % len(dataset)] for i in range(first, first + micro_batch)],
+                       dataset.config)
 
 
 def microbatches_per_step(global_batch: int, micro_batch: int) -> int:

@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.datasets.utils import Split
 
 from pretrain.data import prepare
 from pretrain.data.documents import iter_documents
 from pretrain.data.prepare import prepare_data
-from pretrain.data.verify import check_dataset
 from pretrain.data.tokenizer import (
     BOS,
     EOS,
@@ -32,9 +30,10 @@ from pretrain.data.tokenizer import (
     open_tokenizer,
     train_tokenizer,
 )
+from pretrain.data.verify import check_dataset
 from pretrain.unsharded.generate import completion
 from runtime.errors import UserError
-from tests.pretrain.data.datasets import stub_tokenizer
+from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer
 
 VOCAB = 400
 TRICKY = [
@@ -94,16 +93,6 @@ def _raises(match: str, call, *args, **kwargs) -> str:
     assert "\n" not in message, message
     assert match in message, message
     return message
-
-
-def _megatron_dataset(prefix: Path, documents: list[list[list[int]]], dtype) -> None:
-    """Write a dataset the way Megatron-LM's preprocess_data.py does: one add_document per
-    document, each made of one or more sequences."""
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
-    for sequences in documents:
-        flat = torch.tensor([t for seq in sequences for t in seq], dtype=torch.int64)
-        builder.add_document(flat, [len(seq) for seq in sequences])
-    builder.finalize(f"{prefix}.idx")
 
 
 # --- tokenizer ---------------------------------------------------------------------------
@@ -210,7 +199,7 @@ def test_megatron_builder_files_pass_check(tmp_path, dtype):
     documents = [[rng.integers(0, vocab, rng.integers(1, 20)).tolist()
                   for _ in range(rng.integers(1, 4))] for _ in range(25)]
     prefix = tmp_path / "megatron"
-    _megatron_dataset(prefix, documents, dtype)
+    megatron_dataset(prefix, documents, dtype)
     assert check_dataset(str(prefix), stub_tokenizer(vocab)).documents == len(documents)
     dataset = IndexedDataset(str(prefix))
     assert dataset.index.dtype == dtype
@@ -293,7 +282,7 @@ def test_bad_tokenizer_model(tmp_path, corpus):
 
 def test_bad_datasets(tmp_path):
     prefix = tmp_path / "data"
-    _megatron_dataset(prefix, [[[5, 499, 7]], [[1, 2]]], np.uint16)
+    megatron_dataset(prefix, [[[5, 499, 7]], [[1, 2]]], np.uint16)
     _raises(f"data prefix '{prefix}' has token id 499 >= tokenizer vocab_size 300",
             check_dataset, str(prefix), stub_tokenizer(300))
     assert check_dataset(str(prefix), stub_tokenizer(500)).documents == 2
