@@ -23,6 +23,22 @@ from enum import StrEnum
 
 from pretrain.config import GuardConfig
 
+# The shortest window and warm-up at which the rule at 6 sigma skipped no step of healthy runs
+# (docs/run-folder.md, "Choosing the window"): gradient norms have natural excursions every
+# few dozen steps, and a shorter window, which holds none, judges the next one an outlier.
+MIN_WINDOW, MIN_WARMUP, MEASURED_SIGMA = 64, 32, 6.0
+
+
+def short_window_warning(config: GuardConfig) -> str | None:
+    """One line for a start whose spike rule would judge healthy steps outliers, else None."""
+    short = config.window < MIN_WINDOW or config.warmup < MIN_WARMUP
+    if not config.spikes or not short or config.sigma > MEASURED_SIGMA:
+        return None
+    return (f"guard.window ({config.window}) and guard.warmup ({config.warmup}) are below "
+            f"{MIN_WINDOW} and {MIN_WARMUP} updated steps, which the spike rule at guard.sigma "
+            f"{config.sigma:g} needs: shorter ones skipped natural gradient-norm excursions of "
+            "healthy runs, and 3 in a row stop the run (docs/run-folder.md)")
+
 
 class Verdict(StrEnum):
     UPDATE = "update"

@@ -47,7 +47,12 @@ from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest
 from pretrain.train import diagnostics
 from pretrain.train.evaluate import evaluate_sets, loss_share, per_set, validates
-from pretrain.train.guard import SpikeGuard, Verdict, grad_norm_limit_into
+from pretrain.train.guard import (
+    SpikeGuard,
+    Verdict,
+    grad_norm_limit_into,
+    short_window_warning,
+)
 from pretrain.train.start import StartPoint, check_start, sha256
 from pretrain.train.stragglers import Stragglers
 from pretrain.train.watchdog import Watchdog
@@ -192,6 +197,8 @@ class Training:
                         resuming=begin.previous is not None)
         self.identity = {**begin.identity, "config_sha256": sha256(self.run_dir / "config.toml")}
         announce(config, self.parameters, start, begin.previous)
+        if (short := short_window_warning(config.guard)) and is_logging_rank():
+            log.warning(short)
         self.tokenizer, self.downstream = tokenizer, downstream
         self.train_set, self.valid_set = build_datasets(config, tokenizer, begin.position)
         self.valid_sets = build_valid_sets(config, tokenizer)  # data.valid_sets

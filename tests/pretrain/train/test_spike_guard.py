@@ -20,7 +20,12 @@ import torch
 from model.builder import build_model, wrap_ddp
 from pretrain.config import Config, GuardConfig, OptimConfig, RunConfig
 from pretrain.optim import build_optimizer
-from pretrain.train.guard import SpikeGuard, Verdict, grad_norm_limit_into
+from pretrain.train.guard import (
+    SpikeGuard,
+    Verdict,
+    grad_norm_limit_into,
+    short_window_warning,
+)
 from runtime.checkpoint_reader import common_state
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
@@ -82,6 +87,21 @@ def test_the_state_survives_json_exactly():
     assert again.state() == guard.state()
     assert (again.loss_limit(), again.grad_norm_limit()) == (guard.loss_limit(),
                                                             guard.grad_norm_limit())
+
+
+def test_a_window_too_short_for_the_rule_is_named_at_start():
+    """The issue's settings (warm-up 10, window 20; 20, 40) skipped healthy steps; the
+    defaults, spikes off, or a wider band are not warned about."""
+    for warmup, window in ((10, 20), (20, 40), (20, 128), (64, 63)):
+        text = short_window_warning(GuardConfig(spikes=True, warmup=warmup, window=window))
+        assert text.startswith(f"guard.window ({window}) and guard.warmup ({warmup}) are below "
+                               "64 and 32 updated steps, which the spike rule at guard.sigma 6 "
+                               "needs") and "\n" not in text
+    assert short_window_warning(GuardConfig(spikes=True)) is None  # 64 / 128
+    assert short_window_warning(GuardConfig(spikes=True, warmup=32, window=64)) is None
+    assert short_window_warning(GuardConfig(spikes=False, warmup=10, window=20)) is None
+    assert short_window_warning(GuardConfig(spikes=True, warmup=10, window=20,
+                                            sigma=8.0)) is None
 
 
 @pytest.mark.parametrize("distributed", [True, False], ids=["distributed-optimizer", "plain"])
