@@ -61,6 +61,8 @@ KNOWN_MEGATRON_NOTICES: tuple[tuple[str, str], ...] = (
     ("Building a BlendedDataset for a single MegatronDataset",
      "a one-prefix blend is the common case, not a problem"),
     ("GPTModel IS DEPRECATED", "GPTModel is the dense decoder megatron's own training uses"),
+    ("encountered an error: ", "a checkpoint writer's failure (a full disk), which the run "
+     "reports itself in one error line naming its cause (pretrain.run.failure)"),
 )
 
 

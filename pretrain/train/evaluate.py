@@ -33,14 +33,16 @@ log = logging.getLogger("pretrain")
 def evaluate_checkpoint(config: Config, path: str) -> dict:
     """The checkpoint's model and tokenizer must be the config's (checked before loading); the
     data may be any, so a checkpoint can be scored on other validation data. The result is
-    appended to ``eval.jsonl`` of the checkpoint's run folder, next to what it describes."""
+    appended to ``eval.jsonl`` of the checkpoint's run folder, next to what it describes, with
+    the tokenizer file it used (the checkpoint accepts any with its content, at any path)."""
     tokenizer = preflight(config)
     found = weights_source(path, config)
     chunks = setup(config)
     weights.load(chunks, found)
     _, valid = build_datasets(config, tokenizer)
     further = build_valid_sets(config, tokenizer)
-    result = {"checkpoint": str(found), **evaluate_sets(config, chunks, valid, further)}
+    result = {"checkpoint": str(found), "tokenizer": config.data.tokenizer,
+              **evaluate_sets(config, chunks, valid, further)}
     if dist.get_rank() == 0:
         log_to = run_folder(found) / "eval.jsonl"
         try:

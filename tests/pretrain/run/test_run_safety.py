@@ -84,8 +84,10 @@ def _limit_file_size(size: int):
 
 
 def _assert_previous_checkpoint_kept(root: Path, stderr: str, code: int, cause: str) -> None:
-    """One error line naming the cause (``os.strerror`` of it) and the checkpoints folder."""
+    """One error line naming the cause (``os.strerror`` of it) and the checkpoints folder,
+    and no other line about it (megatron's writer logs its own)."""
     assert code == 2, stderr[-2000:]
+    assert "encountered an error" not in stderr, stderr[-2000:]
     line = _error_line(stderr)
     assert "saving checkpoint step 6" in line and "failed" in line, line
     assert f"({cause}: '{root / 'checkpoints'}'" in line, line
