@@ -5,14 +5,16 @@ report.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
 an aborted run (e.g. repeated NaN/Inf) exits 3; a rank the hang watchdog ended
-(pretrain.train.watchdog) exits 4.
+(pretrain.train.watchdog) exits 4. Ctrl-C exits 130: ``train`` first saves a checkpoint
+(pretrain.run.stop); every other command stops where it is, with one line and nothing
+half-written (the files a command writes appear whole or not at all).
 """
 
 from __future__ import annotations
 
 import sys
 
-from pretrain.run.stop import StopRequest
+from pretrain.run.stop import INTERRUPTED, StopRequest
 
 # Before the imports below (torch: a second or more): a preemption signal during start-up is
 # then a clean stop instead of a kill.
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = arguments.other_config_hint(args) if _config_may_be_wrong(args, err) else ""
         report_error(f"{err}{hint}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C in a command other than train (train catches it)
+        report_error(f"interrupted by Ctrl-C: {argv[0] if argv else 'the command'} stopped; "
+                     "nothing half-written is left")
+        return INTERRUPTED
 
 
 def _config_may_be_wrong(args, err: UserError) -> bool:
@@ -58,10 +64,11 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
         print(path)
         return 0
     if args.command == "prepare-data":
-        from pretrain.data.prepare import prepare_data
+        from pretrain.data.shards import prepare_command
 
-        print(json.dumps(prepare_data(args.inputs, args.tokenizer, args.output, args.workers,
-                                      args.text_field)))
+        print(json.dumps(prepare_command(args.inputs, args.tokenizer, args.output, args.workers,
+                                         args.text_field, args.shards, args.shard,
+                                         args.blend)))
         return 0
     if args.command == "report":  # reads files only: no torch, no process group
         from pretrain.report.run_report import write_report
@@ -125,6 +132,8 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
                 result = evaluate_checkpoint(config, args.checkpoint)
             if is_logging_rank():  # the rank that holds the loss prints the result, once
                 print(strict_json(result))
+            if stop is not None and "stopped_at" in result:
+                return stop.exit_status
         except TrainingAborted as err:
             report_error(str(err))
             return 3

@@ -48,11 +48,18 @@ def parser() -> argparse.ArgumentParser:
                    help="sentencepiece model type (pretrain.data.tokenizer.ModelType)")
 
     d = sub.add_parser("prepare-data", help="tokenise text into a Megatron indexed dataset")
-    d.add_argument("inputs", nargs="+", help=INPUTS_HELP)
+    d.add_argument("inputs", nargs="+", help=INPUTS_HELP + "; quoted globs are expanded")
     d.add_argument("--tokenizer", required=True,
                    help="sentencepiece .model file, or a Hugging Face tokenizer.json or its folder")
     d.add_argument("--output", required=True, help="output prefix (PREFIX.bin/.idx)")
     d.add_argument("--workers", type=int, default=1)
+    d.add_argument("--shards", type=int,
+                   help="split the input files into this many shards (PREFIX.shards/), each "
+                        "resumable, then merge them into PREFIX (pretrain.data.shards)")
+    d.add_argument("--shard", type=int,
+                   help="prepare only this shard (0-based; a slurm array task's index)")
+    d.add_argument("--blend", action="store_true",
+                   help="keep the shards as a blend instead of merging them")
     for command in (t, d):
         command.add_argument("--text-field", default="text",
                              help="the text field (JSON lines) or column (tables) to read")

@@ -1,0 +1,174 @@
+"""``prepare-data --shards N``: one corpus of many files prepared as N shards, by separate
+processes or slurm array tasks, then merged into one prefix or kept as a blend.
+
+Shard k holds a contiguous run of the inputs, in order, cut so the shards have about equal
+bytes: the same inputs always give the same shards, so each array task can work out its own
+(``--shard k``). A shard is an ordinary prepared dataset, ``PREFIX.shards/shard-KKKKK``, written
+under temporary names and renamed into place, its record last: a rerun skips every shard whose
+record exists, so a failed or preempted array is resumed by submitting it again. The merge is
+megatron's own (``IndexedDatasetBuilder.add_index``): the shards' documents concatenated in
+shard order, which is the inputs' order, so the merged files are byte for byte those a single
+process writes from the same inputs. The shards are removed once the merge is in place. With
+``--blend`` they stay, and the summary gives them as data.prefixes with their token counts as
+data.weights (a blend that reads each shard in proportion to its size).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+from pretrain.data import record
+from pretrain.data.prepare import prepare_data
+from pretrain.data.tokenizer import open_tokenizer
+from pretrain.paths import require_creatable
+from runtime.errors import ConfigError, DataError
+
+GLOB_CHARACTERS = "*?["
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """The inputs with every glob pattern replaced by the files it matches, sorted (the shell
+    does the same to an unquoted one); a pattern that matches nothing is refused."""
+    files = []
+    for item in inputs:
+        if any(c in item for c in GLOB_CHARACTERS) and not Path(item).exists():
+            matched = sorted(glob.glob(item))
+            if not matched:
+                raise ConfigError(f"prepare-data input '{item}' matches no file")
+            files.extend(matched)
+        else:
+            files.append(item)
+    return files
+
+
+def split_inputs(inputs: list[str], shards: int) -> list[list[str]]:
+    """``shards`` contiguous runs of ``inputs`` of about equal bytes, none empty."""
+    if not 1 <= shards <= len(inputs):
+        raise ConfigError(f"prepare-data --shards ({shards}) must be between 1 and the number "
+                          f"of input files ({len(inputs)}): a shard is a run of whole files")
+    sizes = np.array([_size(path) for path in inputs], dtype=np.float64)
+    ends = np.cumsum(sizes)
+    groups, first = [], 0
+    for k in range(1, shards + 1):
+        # the first index whose running total reaches k/shards of the bytes, leaving at least
+        # one file for each shard still to come
+        last = int(np.searchsorted(ends, ends[-1] * k / shards)) + 1
+        last = min(max(last, first + 1), len(inputs) - (shards - k))
+        last = len(inputs) if k == shards else last
+        groups.append(inputs[first:last])
+        first = last
+    return groups
+
+
+def _size(path: str) -> int:
+    source = Path(path)
+    if source.is_dir():
+        return sum(f.stat().st_size for f in source.rglob("*") if f.is_file())
+    return source.stat().st_size if source.exists() else 0
+
+
+def shard_prefix(output_prefix: str, index: int) -> str:
+    return f"{output_prefix}.shards/shard-{index:05d}"
+
+
+def _done(prefix: str) -> bool:
+    """A shard is complete once its record exists (written after its files are in place)."""
+    return record.path_of(prefix).exists()
+
+
+def prepare_shard(inputs: list[str], tokenizer_model: str, output_prefix: str, shards: int,
+                  index: int, workers: int = 1, text_field: str = "text") -> dict:
+    """Prepare shard ``index`` of ``shards`` (skipped if complete)."""
+    if not 0 <= index < shards:
+        raise ConfigError(f"prepare-data --shard ({index}) must be between 0 and --shards - 1 "
+                          f"({shards - 1})")
+    groups = split_inputs(inputs, shards)
+    prefix = shard_prefix(output_prefix, index)
+    if _done(prefix):
+        return {"shard": index, "prefix": prefix, "skipped": "complete"}
+    for suffix in (".bin", ".idx"):  # a shard killed after its rename, before its record
+        Path(prefix + suffix).unlink(missing_ok=True)
+    return {"shard": index, **prepare_data(groups[index], tokenizer_model, prefix, workers,
+                                           text_field)}
+
+
+def prepare_sharded(inputs: list[str], tokenizer_model: str, output_prefix: str, shards: int,
+                    workers: int = 1, text_field: str = "text", blend: bool = False) -> dict:
+    """Every shard not yet complete, then the merge (or, ``blend``, the blend's summary)."""
+    require_creatable(output_prefix, "prepare-data --output", folder=False)
+    final = [Path(f"{output_prefix}{s}") for s in (".bin", ".idx")]
+    if not blend and any(p.exists() for p in final):
+        raise ConfigError(f"dataset file '{next(p for p in final if p.exists())}' already "
+                          "exists; choose another --output")
+    for index in range(shards):
+        prepare_shard(inputs, tokenizer_model, output_prefix, shards, index, workers,
+                      text_field)
+    prefixes = [shard_prefix(output_prefix, k) for k in range(shards)]
+    if blend:
+        tokens = [record.read(p)["tokens"] for p in prefixes]
+        return {"prefixes": prefixes, "weights": tokens, "tokens": sum(tokens),
+                "documents": sum(record.read(p)["documents"] for p in prefixes)}
+    return merge(prefixes, output_prefix, tokenizer_model)
+
+
+def merge(prefixes: list[str], output_prefix: str, tokenizer_model: str) -> dict:
+    """megatron's merge of complete shards into ``output_prefix`` (temporary names, renamed
+    into place), its record made from theirs (no token is read twice), then the shards go."""
+    missing = [p for p in prefixes if not _done(p)]
+    if missing:
+        raise DataError(f"prepare-data cannot merge: {len(missing)} of {len(prefixes)} shards "
+                        f"are not complete (first: '{missing[0]}'); run them first")
+    records = [record.read(p) for p in prefixes]
+    tokenizer = open_tokenizer(tokenizer_model)
+    wanted = tokenizer.unique_identifiers["model_sha256"]
+    for prefix, made in zip(prefixes, records, strict=True):
+        made_by = made["tokenizer"] or {"path": "unknown", "sha256": "?"}
+        if made_by["sha256"] != wanted:
+            raise DataError(f"shard '{prefix}' was made with tokenizer '{made_by['path']}' "
+                            f"#{made_by['sha256'][:8]}, not --tokenizer '{tokenizer_model}' "
+                            f"#{wanted[:8]}; delete the shard folder and prepare again")
+    dtype = IndexedDataset(prefixes[0]).index.dtype
+    tmp_bin, tmp_idx = (Path(f"{output_prefix}{s}.tmp{os.getpid()}") for s in (".bin", ".idx"))
+    try:
+        builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(str(tmp_idx))
+        for tmp, suffix in ((tmp_bin, ".bin"), (tmp_idx, ".idx")):
+            if Path(output_prefix + suffix).exists():
+                raise ConfigError(f"dataset file '{output_prefix}{suffix}' already exists; "
+                                  "choose another --output")
+            os.replace(tmp, output_prefix + suffix)
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+    tokens = sum(r["tokens"] for r in records)
+    documents = sum(r["documents"] for r in records)
+    ids = (min(r["min_id"] for r in records), max(r["max_id"] for r in records))
+    record.write(output_prefix, record.make(output_prefix, tokens, documents, ids, tokenizer))
+    shutil.rmtree(Path(prefixes[0]).parent)
+    return {"documents": documents, "tokens": tokens, "dtype": np.dtype(dtype).name,
+            "prefix": output_prefix}
+
+
+def prepare_command(inputs: list[str], tokenizer_model: str, output_prefix: str, workers: int,
+                    text_field: str, shards: int | None, shard: int | None,
+                    blend: bool) -> dict:
+    """``prepare-data``: one process (no ``--shards``), one shard (``--shard``), or every
+    shard still to do and then the merge or the blend."""
+    inputs = expand_inputs(inputs)
+    if shards is None:
+        if shard is not None or blend:
+            raise ConfigError("prepare-data --shard and --blend need --shards")
+        return prepare_data(inputs, tokenizer_model, output_prefix, workers, text_field)
+    if shard is not None:
+        return prepare_shard(inputs, tokenizer_model, output_prefix, shards, shard, workers,
+                             text_field)
+    return prepare_sharded(inputs, tokenizer_model, output_prefix, shards, workers,
+                           text_field, blend)
