@@ -8,10 +8,14 @@ the config itself was validated when it was loaded), so a mistake fails in secon
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.transformer.module import Float16Module
 
+from model.backends import AttentionBackend
 from model.builder import build_model, wrap_ddp
+from model.config import ModelConfig
 from pretrain.config import Config, ParamsDtype
 from pretrain.data.batches import check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
@@ -25,6 +29,15 @@ def params_dtype(config: Config) -> torch.dtype:
     if choice is ParamsDtype.AUTO:
         return torch.bfloat16 if device.uses_cuda() else torch.float32
     return {ParamsDtype.FP32: torch.float32, ParamsDtype.BF16: torch.bfloat16}[choice]
+
+
+def model_config(config: Config) -> ModelConfig:
+    """The model as built: with data.document_attention an ``auto`` attention backend is SDPA,
+    whatever else is installed (TE's attention does not take document ids)."""
+    model = config.model
+    if config.data.document_attention and model.attention_backend == AttentionBackend.AUTO:
+        return dataclasses.replace(model, attention_backend=AttentionBackend.SDPA)
+    return model
 
 
 def tokenizer_for(config: Config) -> Tokenizer:
@@ -54,8 +67,9 @@ def setup(config: Config) -> list:
         console.quiet_cpu_notices()
     parallel.initialize(config.parallel, seed=config.run.seed)
     dtype = params_dtype(config)
-    chunks = build_model(config.model, config.parallel, dtype, config.kernels.norm_backend,
-                         seed=config.run.seed)
+    chunks = build_model(model_config(config), config.parallel, dtype,
+                         config.kernels.norm_backend, seed=config.run.seed,
+                         positions_per_token=config.data.reset_position_ids)
     if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     return wrap_ddp(chunks, config.parallel)

@@ -98,6 +98,19 @@ class DataConfig:
     each used once. A set must be tokenised with ``tokenizer`` and hold SAMPLES sequences
     without repeating one. Not part of a checkpoint's data identity (it changes no training
     sample), so a resume may add or drop sets."""
+    document_attention: bool = False
+    """Each token attends only to the earlier tokens of its own document: documents end at the
+    tokenizer's end-of-document token, which belongs to the document it ends (Megatron-LM's
+    --reset-attention-mask). Off: every token attends to every earlier token of its sequence,
+    across documents, as in the paper's runs. Needs attention_backend sdpa or local (auto
+    picks sdpa): SDPA with the exact mask on the CPU, flex attention on CUDA."""
+    reset_position_ids: bool = False
+    """Positions restart at 0 after each end-of-document token (--reset-position-ids). With
+    RoPE and document_attention it changes nothing (a document sees only distances within
+    itself); it matters with learned positions, or without document_attention."""
+    eod_mask_loss: bool = False
+    """No loss where the input is an end-of-document token (--eod-mask-loss): the next
+    document's first token is not predicted from the end of the one before."""
 
     def __post_init__(self) -> None:
         # Megatron-LM's weighted form, ["0.3", "data/a", "0.7", "data/b"], as its users write
@@ -590,6 +603,9 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
              f"data.weights has {len(d.weights)} entries but data.prefixes has "
              f"{len(d.prefixes)}")
     require(all(w > 0 for w in d.weights), f"data.weights ({d.weights}) must all be > 0")
+    require(not (d.document_attention and config.model.attention_backend == "te"),
+            "data.document_attention needs model.attention_backend sdpa or local (te's packed "
+            "format is not wired in): set --model.attention_backend=sdpa")
     parts = d.split.split(",")
     require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
              and sum(float(p) for p in parts) > 0,

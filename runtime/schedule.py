@@ -24,8 +24,11 @@ def lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[dict], model):
+    """A micro-batch's forward; its ``attention_mask``, when present, is document ids
+    (model.documents), read by every pipeline stage from its own copy of the micro-batch."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
     return output, partial(lm_loss, batch["loss_mask"])
 
 

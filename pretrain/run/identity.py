@@ -166,6 +166,29 @@ def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
         "weights with --run.init_from")
 
 
+DOCUMENT_FIELDS = ("document_attention", "reset_position_ids", "eod_mask_loss")
+"""How a packed sequence is trained (data.*): what a token sees, where positions restart, which
+tokens carry loss. Not part of the data's identity (the same samples are read), but a change
+trains another function, so no resume may make one."""
+
+
+def check_documents(settings: dict[str, dict] | None, config: Config, checkpoint: str) -> None:
+    """Refuse a resume that changes a DOCUMENT_FIELDS setting. ``settings`` is the
+    checkpoint's recorded config; a checkpoint from before these settings existed was trained
+    with all of them off."""
+    if settings is None:
+        return
+    saved = settings.get("data", {})
+    changed = [f"data.{name} ({str(saved.get(name, False)).lower()} in the checkpoint, "
+               f"{str(getattr(config.data, name)).lower()} here)"
+               for name in DOCUMENT_FIELDS if saved.get(name, False) != getattr(config.data, name)]
+    if changed:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}' was trained with other document settings: "
+            f"{'; '.join(changed)}; a resume keeps them (they change what is trained), a new "
+            "run may start from its weights with --run.init_from")
+
+
 def _datasets(entries: list[dict]) -> str:
     return "[" + ", ".join(f"{e['prefix']} x{e['weight']:g} #{e['fingerprint'][:8]}"
                            for e in entries) + "]"

@@ -80,6 +80,7 @@ def check_start(config: Config, config_path: str | None) -> StartPoint:
         identity.check_tokenizer(record.get("tokenizer"), config, previous)
         identity.check_data(record.get("data"), current["data"], r.allow_data_change, previous)
         identity.check_optimizer_layout(record.get("settings"), config, previous)
+        identity.check_documents(record.get("settings"), config, previous)
     except CheckpointError as err:  # the folder may simply be another run's
         raise CheckpointError(f"{err} (run.dir '{run_dir}' holds a run this start would "
                               "resume; for a new run choose another --run.dir)") from None
