@@ -117,7 +117,7 @@ def worker(spec: dict) -> dict:
         f"--data.prefixes={','.join(spec['prefixes'])}", "--data.tokenizer=synthetic.model",
         f"--model.vocab_size={VOCAB[spec['dtype']]}", f"--model.seq_length={SEQ_LENGTH}",
         f"--data.global_batch_size={GLOBAL_BATCH}", "--data.micro_batch_size=1",
-        "--data.valid_samples=64", "--data.split=90,10,0", f"--run.steps={steps}",
+        "--data.valid_samples=64", "--data.split=80,20,0", f"--run.steps={steps}",
         f"--run.dir={spec['run_dir']}", f"--data.cache_dir={spec['cache']}",
         "--logging.wandb_mode=disabled"])
     marks["config"] = time.perf_counter() - clock
