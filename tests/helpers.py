@@ -43,6 +43,37 @@ def batches(count: int, seed: int = 0, seq: int = SEQ, mbs: int = MBS) -> list[d
     return out
 
 
+EOD = VOCAB - 1
+
+
+def document_batches(count: int, seed: int = 0, seq: int = SEQ, mbs: int = MBS) -> list[dict]:
+    """:func:`batches` of packed documents: EOD (the last id) ends a document every 3-7
+    tokens, positions restart after each, and the document ids ride as the attention mask
+    (model.documents), as data.document_attention and data.reset_position_ids make them."""
+    from model.documents import attention_mask, document_ids
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for batch in batches(count, seed, seq, mbs):
+        tokens = torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1).cpu() % EOD
+        for row in tokens:
+            at = int(torch.randint(2, 7, (1,), generator=gen))
+            while at < len(row):
+                row[at] = EOD
+                at += int(torch.randint(3, 8, (1,), generator=gen))
+        inputs = tokens[:, :-1]
+        ids = document_ids(inputs, EOD)
+        first = torch.cat([torch.ones_like(ids[:, :1]), ids[:, 1:] != ids[:, :-1]], dim=1)
+        index = torch.arange(seq).expand_as(ids)
+        starts = torch.cummax(torch.where(first.bool(), index, 0), dim=1).values
+        where = batch["tokens"].device
+        out.append({**batch, "tokens": inputs.contiguous().to(where),
+                    "labels": tokens[:, 1:].contiguous().to(where),
+                    "position_ids": (index - starts).to(where),
+                    "attention_mask": attention_mask(ids).to(where)})
+    return out
+
+
 def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
