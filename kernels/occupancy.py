@@ -5,14 +5,15 @@ The backward kernels run a fixed grid of programs, each looping over a contiguou
 rows and writing one fp32 weight-gradient partial, summed afterwards. Their grid is best one
 wave: as many programs as the GPU holds at once, no more. How many an SM holds is a property
 of the compiled kernel (registers per thread, shared memory per program, warps per program),
-and it varies widely: the plain norm's backward needs 80 registers a thread at one hidden size
-and 254 at another, so a fixed guess of warps per SM either leaves SMs half empty or adds a
-tail wave.
+and it varies widely: at hidden 2048 the entry's backward takes 75 registers a thread in one
+variant and 245 in another, so a fixed guess of warps per SM either leaves SMs half empty or
+adds a tail wave.
 The grid is therefore sized from the kernel Triton compiles for the launch, by the rules the
 hardware allocates registers, warps and shared memory with.
 
 The arithmetic is plain functions of numbers (so tests check it by hand without a GPU, and
-``bench.kernel_resources`` applies the same rules to what ptxas reports on a CPU machine);
+``bench.kernel_resources`` applies the same rules, on a CPU machine, to the numbers it reads
+from the cubins Triton builds);
 :func:`resident_programs` is the one place that asks Triton and the driver.
 """
 
@@ -122,9 +123,10 @@ def fit(chosen: Resources, capped: Callable[[int], Resources], num_warps: int,
     its registers, and to ``capped(cap)`` when held to ``cap`` registers a thread. The
     compiler's choice where it already fits :data:`TARGET_PROGRAMS` programs per SM;
     otherwise capped to fit them, if the capped kernel does not spill (ptxas takes registers
-    freely under the 255 ceiling, for loads in flight it need not hold: at hidden 2048 the
-    LayerNorm entry backwards take 166-215 and fit 128 without spilling); otherwise the
-    compiler's choice, since a spill costs local-memory traffic on every row."""
+    freely under the 255 ceiling, for loads in flight it need not hold: at hidden 2048 five
+    entry backwards take 134-215 and fit 128 without spilling); otherwise the compiler's
+    choice, since a spill costs local-memory traffic on every row (whether a small one costs
+    less than a second program gains is for a GPU to time: docs/gpu.md)."""
     resident = resident_per_sm(chosen.registers, chosen.shared, num_warps, limits)
     if resident >= TARGET_PROGRAMS:
         return Fit(resident, None)
