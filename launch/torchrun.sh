@@ -101,8 +101,9 @@ fi
 # torchrun exits 1 after any signal it handles, so it ignores USR1 instead (the ignore is
 # inherited; each rank installs its own handler) and this shell hands USR1 to the ranks. Under
 # slurm the ranks also get it from slurm itself (a signal to a job step reaches every process
-# of the step); a second USR1 changes nothing. SIGTERM and SIGINT go to torchrun, which passes
-# them on and waits up to SHUTDOWN_TIMEOUT for the ranks to exit.
+# of the step); a second USR1 changes nothing. SIGTERM goes to torchrun, which passes it on and
+# waits up to SHUTDOWN_TIMEOUT for the ranks to exit; SIGINT (Ctrl-C) goes to torchrun_main.py,
+# which relays it to the ranks as SIGINT (see there).
 set +e
 ( trap '' USR1; exec "$PYTHON" "$repo/launch/torchrun_main.py" "${args[@]}" -m pretrain "$@" ) &
 torchrun=$!

@@ -11,20 +11,33 @@ the launch exits with it and adds nothing: no report, and none of torchrun's lin
 worker failed and which it stopped. Where rank 0 wrote no ``error:`` line (a mistake only
 another rank met), the lowest failed rank's line is printed. Any other failure keeps
 torchrun's report and exit status.
+
+Ctrl-C: torchrun would answer the first by sending its ranks SIGTERM, and a second by
+raising a traceback while it still waits for them. Here torchrun leaves SIGINT alone (it is
+taken out of its ``--signals-to-handle``) and each SIGINT it gets is relayed to the ranks as it is
+(they run in sessions of their own, so the terminal's reaches only torchrun): the first makes
+every rank save and exit 130, a second makes them exit at once (pretrain.run.stop), and the
+launch exits 130 with the ranks, without a report. A signal torchrun still handles (SIGTERM)
+ends the launch with one line and 128 + the signal, once torchrun has waited for its ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 
+import psutil
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
 # The exit statuses of `python -m pretrain` that come with their own explanation (4:
-# pretrain.train.watchdog.HANG_EXIT, not imported: this script runs before any path is set).
-EXPLAINED = (2, 3, 4)
+# pretrain.train.watchdog.HANG_EXIT; 130: Ctrl-C, pretrain.run.stop.INTERRUPTED; not
+# imported: this script runs before any path is set).
+EXPLAINED = (2, 3, 4, 130)
 # How a rank ends that torchrun stopped because another one failed.
 STOPPED = -signal.SIGTERM
 # The logger of torchrun's lines about its workers (which failed, which it stopped).
@@ -67,12 +80,23 @@ class HeldBack(logging.Filter):
             self.logger.handle(held)
 
 
+def relay_interrupt(_signum, _frame) -> None:
+    """SIGINT to every rank (torchrun's children), as the rank's own Ctrl-C."""
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            os.kill(child.pid, signal.SIGINT)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",")
+                                      if name.strip() != "SIGINT")
+    signal.signal(signal.SIGINT, relay_interrupt)
     held = HeldBack(logging.getLogger(WORKER_LOG))
     explained = None
     try:
-        run(parse_args(argv))
+        run(args)
     except ChildFailedError as failure:
         explained = explained_status(failure)
         if explained is None:
@@ -80,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         lines = error_lines(failure)
         if lines and 0 not in lines:
             print(lines[min(lines)], file=sys.stderr)
+    except SignalException as stopped:  # torchrun asked its ranks to stop and waited for them
+        explained = 128 + stopped.sigval
+        print(f"launch stopped by {stopped.sigval.name}: its ranks were asked to stop",
+              file=sys.stderr)
     finally:
         held.release(show=explained is None)
     return explained or 0

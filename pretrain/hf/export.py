@@ -228,7 +228,18 @@ def export_hf(config: Config, checkpoint: str, output: str) -> dict:
     require_creatable(output, "export-hf --output")
     single_process(config, "export-hf")
     chunk, tokenizer, found = load_whole(config, checkpoint)
-    target.mkdir(parents=True, exist_ok=True)
-    count = write_folder(config.model, chunk, config.data.tokenizer, tokenizer, target)
+    # written beside the target and renamed into place: an export that stops (Ctrl-C, a full
+    # disk) leaves no folder that looks complete
+    partial = target.parent / f".{target.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        count = write_folder(config.model, chunk, config.data.tokenizer, tokenizer, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if target.exists():  # the empty folder the command was given
+        target.rmdir()
+    partial.rename(target)
     kind = "llama" if hf_llama.is_llama(config.model) else "remote code"
     return {"checkpoint": str(found), "output": str(target), "tensors": count, "model": kind}

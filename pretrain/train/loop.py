@@ -4,8 +4,9 @@ Per step: the step's micro-batches go through megatron's schedule, the loss and 
 checked for NaN/Inf and, with guard.spikes, for spikes (pretrain.train.guard: a bad step is
 skipped and counted; too many in a row stop the run or roll it back to its latest checkpoint),
 the optimizer and LR schedule step, and metrics, validation and checkpoints follow their
-intervals. SIGTERM/SIGUSR1 finish the current step, save, and return normally; during
-start-up they stop the run before its first step, with nothing to save (pretrain.run.stop).
+intervals. SIGTERM/SIGUSR1 and Ctrl-C finish the current step, save, and return normally;
+during start-up they stop the run before its first step, with nothing to save
+(pretrain.run.stop).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pretrain.run import checkpoint
 from pretrain.run.folder import prepare_run_dir, run_metadata
 from pretrain.run.lock import RunLock
 from pretrain.run.saver import Saver
-from pretrain.run.stop import StopRequest
+from pretrain.run.stop import StopRequest, signal_text
 from pretrain.train import diagnostics
 from pretrain.train.evaluate import evaluate_sets, loss_share, per_set, validates
 from pretrain.train.guard import (
@@ -99,7 +100,7 @@ def weights_finite(chunks) -> bool:
 
 def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
     log.info("stopped by %s during start-up, before step %d; nothing to save",
-             stop.signal_name, at + 1)
+             signal_text(stop.signal_name), at + 1)
     return {"stopped_at": at}
 
 
@@ -274,7 +275,7 @@ class Training:
                 with self.watchdog.long(f"the checkpoint of step {step}"):
                     self.save(step)
             if status.stop:
-                self.progress.message(f"stopped by signal after step {step}; checkpoint saved")
+                self.progress.message(self.stop.stopped_text(step))
                 return {"stopped_at": step}
         self.progress.close()
         return self.validate(step) if validates(self.config) else {}
