@@ -148,7 +148,7 @@ def test_packing_without_the_mask_or_the_positions_fails_the_oracle(single_rank,
 def test_flex_attention_forward_matches_the_exact_mask(single_rank, device, monkeypatch):
     """The CUDA path (flex attention from a block mask of the ids) against the exact mask, in
     the forward pass: on the CPU flex attention runs uncompiled and has no backward
-    (forward and backward on the GPU: tests/model/test_document_attention_gpu.py)."""
+    (forward and backward on the GPU: the test below)."""
     logits = {}
     for kernel in (DocumentKernel.MASK, DocumentKernel.FLEX):
         monkeypatch.setattr(SDPAttention, "document_kernel", kernel)
@@ -164,3 +164,31 @@ def test_flex_attention_forward_matches_the_exact_mask(single_rank, device, monk
                                     restarted_positions(), mask, device)
         assert model.decoder.layers[0].self_attention.core_attention.documents == kernel
     assert rel(logits[DocumentKernel.FLEX], logits[DocumentKernel.MASK]) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_flex_attention_matches_the_exact_mask_forward_and_backward(single_rank, device,
+                                                                        monkeypatch, dtype):
+    """On CUDA, compiled flex attention from the ids' block mask against SDPA with the exact
+    mask: logits and every parameter's gradient of a packed sequence at seq 512 (fp32: 1e-4 of
+    each tensor's largest entry; bf16: 2e-2, a few roundings)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, EOD, (2, 512), generator=gen)
+    tokens[torch.rand(tokens.shape, generator=gen) < 0.02] = EOD
+    mask = documents.attention_mask(documents.document_ids(tokens, EOD)).to(device)
+    results = {}
+    for kernel in (DocumentKernel.MASK, DocumentKernel.FLEX):
+        monkeypatch.setattr(SDPAttention, "document_kernel", kernel)
+        torch.manual_seed(0)
+        [model] = build_model(tiny_model("siamese", attention_backend="sdpa", seq_length=512,
+                                         hidden_size=128, num_attention_heads=4),
+                              ParallelConfig(), dtype, positions_per_token=True)
+        positions = torch.arange(512, device=device).expand(2, -1)
+        logits = model(tokens.to(device), positions, mask).float()
+        logits.square().mean().backward()
+        results[kernel] = {"logits": logits.detach(),
+                           **{n: p.grad.float() for n, p in model.named_parameters()}}
+    bound = 1e-4 if dtype is torch.float32 else 2e-2
+    for name, want in results[DocumentKernel.MASK].items():
+        assert rel(results[DocumentKernel.FLEX][name], want) <= bound, name
