@@ -6,8 +6,8 @@ off), and the flags change the answer: the same PTX assembled with ptxas' defaul
 registers and spills. So what a kernel uses is read from the binary Triton made, the way the
 driver reads it when it loads the module: the ELF's ``.nv.info`` section holds, per kernel,
 its register count (``EIATTR_REGCOUNT``) and its stack frame (``EIATTR_FRAME_SIZE``: the
-local memory a thread uses, where spilled registers go; the driver's
-``CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES``, which Triton reports as ``n_spills``).
+local memory a thread uses, where spilled registers go: the driver's
+``CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES``, which Triton divides by 4 into ``n_spills``).
 
 Each ``.nv.info`` entry is one byte of format, one of attribute, then a value: 2 bytes
 inline for formats 1-3, or (format 4) a 2-byte size and that many bytes; a kernel's
