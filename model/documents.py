@@ -19,6 +19,9 @@ megatron's own masks are boolean (True = masked), so a backend tells the two for
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 
 
@@ -45,9 +48,28 @@ def _ids(mask: torch.Tensor) -> torch.Tensor:
     return mask.reshape(mask.shape[0], mask.shape[-1])
 
 
+_last: dict[str, tuple] = {}
+
+
+def _once_per_mask(kind: str, mask: torch.Tensor, shape: tuple, make: Callable[[], object]):
+    """What ``make`` derives from one micro-batch's ids, made once for all its layers (which
+    are called with the same tensor) and so held once by autograd, not once per layer. The
+    last result of each kind is kept with a weak reference to the ids it came from: a new
+    micro-batch's ids, a new tensor even at a freed one's address, never reuse it."""
+    source, made_for, value = _last.get(kind, (None, None, None))
+    if source is None or source() is not mask or made_for != shape:
+        value = make()
+        _last[kind] = (weakref.ref(mask), shape, value)
+    return value
+
+
 def keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     """[b, 1, sq, sk] bool, True where a query may attend to a key: the same document and not
     later. Queries are the last ``sq`` of the ``sk`` positions (bottom-right aligned)."""
+    return _once_per_mask("keep", mask, (sq, sk), lambda: _keep_mask(mask, sq, sk))
+
+
+def _keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     ids = _ids(mask)
     keys = ids[:, None, None, :sk]
     queries = ids[:, None, sk - sq:sk, None]
@@ -55,9 +77,13 @@ def keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     return (queries == keys) & causal
 
 
-def flex_block_mask(mask: torch.Tensor, heads: int, sq: int, sk: int):
+def flex_block_mask(mask: torch.Tensor, sq: int, sk: int):
     """flex attention's block mask for document ids (CUDA): blocks of 128 x 128 positions
     wholly outside every document are skipped, no s x s tensor is built."""
+    return _once_per_mask("flex", mask, (sq, sk), lambda: _flex_block_mask(mask, sq, sk))
+
+
+def _flex_block_mask(mask: torch.Tensor, sq: int, sk: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = _ids(mask)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -53,21 +52,6 @@ def _flex_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-_last_block_mask: tuple = (None, None, None)
-
-
-def _block_mask(mask: torch.Tensor, heads: int, sq: int, sk: int):
-    """The block mask of one micro-batch's document ids, made once for all its layers: the
-    last one is kept with a weak reference to the ids tensor it was made from, so a new
-    micro-batch's ids (a new tensor, perhaps at the freed one's address) never reuse it."""
-    global _last_block_mask
-    source, shape, block_mask = _last_block_mask
-    if source is None or source() is not mask or shape != (sq, sk):
-        block_mask = documents.flex_block_mask(mask, heads, sq, sk)
-        _last_block_mask = (weakref.ref(mask), (sq, sk), block_mask)
-    return block_mask
 
 
 _compiled_flex = None
@@ -175,7 +159,7 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if (documents.is_document_ids(attention_mask) and dropout_p == 0.0
                 and self.documents == DocumentKernel.FLEX):
-            block_mask = _block_mask(attention_mask, heads, sq, sk)
+            block_mask = documents.flex_block_mask(attention_mask, sq, sk)
             context = _flex(q, k, v, block_mask, self.softmax_scale, gqa)
             return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
         mask, causal = self._mask(attention_mask, attn_mask_type or self.attn_mask_type, sq, sk,

@@ -97,6 +97,10 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       into every stream (h) and, dynamic, the normalised streams its weights come from (n h);
       its per-token mixing coefficients (O(n^2) values) are left out.
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
+    - document attention (data.document_attention): the micro-batch's int32 document ids, 4
+      bytes per token, shared by every layer (flex attention's block mask is O((s/128)^2),
+      left out; the CPU's exact path keeps one [b, 1, s, s] boolean mask per micro-batch
+      more, s bytes per token, not counted here).
 
     That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f, siamese
     8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f (2f less each with the activation fusion).
@@ -132,6 +136,8 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
         per_microbatch = layers_per_stage * streams * h * width / sp + layer
     else:
         per_microbatch = layers_per_stage * layer
+    if d.document_attention:
+        per_microbatch += 4
     # what closes the decoder keeps its input: a norm's h, the merge's n h, hyper-connections'
     # final norm (after the stream sum) h
     closing = {FinalNorm.NORM: h, FinalNorm.MERGE: streams * h, FinalNorm.NONE: 0,

@@ -72,3 +72,17 @@ def test_activation_estimate_matches_the_gpu_at_the_1_3b_shape(micro_batch, fusi
         estimated_ratio = estimate / estimate_gib("pre", micro_batch, fusions)
         assert estimated_ratio == pytest.approx(ratio, rel=RATIO_TOLERANCE), (estimated_ratio,
                                                                               ratio)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_document_attention_adds_the_ids_of_each_micro_batch_in_flight(pp):
+    """4 bytes (one int32 id) per token of each micro-batch the first stage holds: one with
+    PP = 1, pp with 1F1B."""
+    def estimate(*extra):
+        config = load_config(None, [*PAPER_1_3B, "--run.params_dtype=bf16",
+                                    "--data.micro_batch_size=2", "--data.global_batch_size=8",
+                                    f"--parallel.pp={pp}", *extra])
+        return activation_bytes(config, dp=1, fusions=FUSED)
+
+    extra = estimate("--data.document_attention=true") - estimate()
+    assert extra == 4 * 4096 * 2 * pp
