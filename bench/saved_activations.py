@@ -57,7 +57,8 @@ def saved_bytes(model, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                     labels=batch["labels"])
     del loss
     return sum(kept.values())
 
