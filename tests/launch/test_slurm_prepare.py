@@ -44,8 +44,8 @@ def test_an_array_job_prepares_the_shards_and_a_job_merges_them(cluster, data, t
         part = lines[i * third:(i + 1) * third if i < SHARDS - 1 else len(lines)]
         (tmp_path / f"in{i}.jsonl").write_text("".join(part))
     out = tmp_path / "merged"
-    args = [str(tmp_path / "in*.jsonl"), "--tokenizer", data["tokenizer"], "--output", str(out),
-            "--shards", str(SHARDS)]
+    args = ["prepare-data", str(tmp_path / "in*.jsonl"), "--tokenizer", data["tokenizer"],
+            "--output", str(out), "--shards", str(SHARDS)]
     _sbatch(cluster, tmp_path / "array-%a.out", args, f"--array=0-{SHARDS - 1}")
     shards = sorted(p.name for p in (tmp_path / "merged.shards").glob("*.bin"))
     assert shards == [f"shard-0000{i}.bin" for i in range(SHARDS)]
