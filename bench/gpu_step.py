@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="repeat the scheme cycle; medians are taken over all rounds")
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--documents", type=int, default=0, metavar="TOKENS",
+                   help="pack documents of TOKENS tokens on average and attend within them "
+                        "(data.document_attention; SDPA: flex attention on CUDA); 0: off")
     p.add_argument("--transformer-impls", default="auto",
                    help="comma-separated model.transformer_impl values to compare side by side "
                         "(e.g. local,te: the TE on/off column)")
@@ -109,7 +112,9 @@ def build(args, scheme: str):
         residual_scheme=scheme, num_layers=args.layers, hidden_size=args.hidden,
         num_attention_heads=args.heads, num_query_groups=args.kv_heads,
         ffn_hidden_size=args.ffn, vocab_size=args.vocab, seq_length=args.seq,
-        attention_backend=args.attention_backend, transformer_impl=args.transformer_impl,
+        attention_backend=("sdpa" if args.documents and args.attention_backend == "auto"
+                           else args.attention_backend),
+        transformer_impl=args.transformer_impl,
     )
     config = Config(model=model_cfg, parallel=ParallelConfig(recompute=args.recompute),
                     # a non-zero LR from the first step
@@ -117,7 +122,8 @@ def build(args, scheme: str):
                     data=DataConfig(micro_batch_size=args.micro_batch,
                                     global_batch_size=args.micro_batch))
     torch.manual_seed(0)
-    chunks = build_model(model_cfg, config.parallel, torch.bfloat16, args.norm_backend)
+    chunks = build_model(model_cfg, config.parallel, torch.bfloat16, args.norm_backend,
+                         positions_per_token=bool(args.documents))
     chunks = wrap_ddp([Float16Module(c.config, c) for c in chunks], config.parallel)
     optimizer = None
     if not args.no_optimizer:
@@ -141,6 +147,10 @@ def measure(args, scheme: str) -> dict:
     parallel.initialize(ParallelConfig())
     chunks, optimizer, config = build(args, scheme)
     batch = random_batch(args.vocab, args.micro_batch, args.seq, device.compute_device())
+    if args.documents:
+        from bench.document_attention import packed
+
+        batch = packed(batch, args.seq, args.documents, args.vocab - 1)
 
     def step(between=None) -> list[torch.Tensor]:
         """One training step; its losses (tensors). ``between`` runs after forward+backward,

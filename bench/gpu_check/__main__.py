@@ -34,6 +34,7 @@ PARTS = [
     Part("profile", "kernels of siamese against pre", 45, 30, bench_parts.profile),
     Part("kernel_alternatives", "backward layouts at 4096 and 8192", 40, 15,
          bench_parts.kernel_alternatives),
+    Part("documents", "steps with document attention (flex)", 45, 30, bench_parts.documents),
 ]
 
 

@@ -153,6 +153,14 @@ def more_schemes(ctx: Context) -> dict:
                          pre=_pre_row(ctx))
 
 
+def documents(ctx: Context) -> dict:
+    """pre and siamese with document attention (documents of 512 tokens; flex attention on
+    CUDA) at the step table's setting, as ratios to its pre without: what the setting costs."""
+    s = ctx.sizes
+    return measure_steps(ctx, ("pre", "siamese"), 1, s.layers, s.micro_batch,
+                         extra=("--documents", "512"), pre=_pre_row(ctx))
+
+
 def optimizer(ctx: Context) -> dict:
     """pre at the 1.3B shape's full depth, micro-batch 1: the optimizer step at 1.2B+
     parameters (the target's setting) and the full model's throughput."""
