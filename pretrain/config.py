@@ -263,8 +263,12 @@ class LoggingConfig:
     """Weights & Biases; metrics always go to <run.dir>/metrics.jsonl as well."""
 
     wandb_mode: WandbMode = WandbMode.AUTO
-    """online | offline | disabled | auto (online with credentials, else offline)."""
-    project: str = "siamesenorm"
+    """online | offline | disabled | auto (WANDB_MODE if set, else online with credentials,
+    else offline)."""
+    project: str = ""
+    """Empty: WANDB_PROJECT, else "siamesenorm". Likewise entity (WANDB_ENTITY), group
+    (WANDB_RUN_GROUP) and name (WANDB_NAME, else the run folder's name): a value set here wins
+    over W&B's own variable (pretrain/report/wandb_settings.py)."""
     entity: str = ""
     group: str = ""
     name: str = ""

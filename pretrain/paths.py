@@ -64,3 +64,18 @@ def require_creatable(path: str | Path, what: str, folder: bool = True) -> Path:
                 raise ConfigError(f"{what} '{path}' cannot be created: '{part}' is a file")
             break
     return path
+
+
+def require_writable(path: str | Path, what: str) -> Path:
+    """A folder a command will write into, which may not exist yet: the folder, or the nearest
+    existing one above it that it would be created in, accepts new files. Checked before
+    anything is written, so a read-only place is one line naming it instead of an OSError
+    from the middle of a start (root passes a permission check, not a read-only mount)."""
+    path = require_creatable(path, what)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if os.access(existing, os.W_OK | os.X_OK):
+        return path
+    reason = ("on a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY
+              else "without write permission for this user")
+    where = "" if existing == path else f" (it would be created in '{existing}')"
+    raise ConfigError(f"{what} '{path}' is not writable{where}: {reason}")

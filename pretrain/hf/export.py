@@ -31,7 +31,7 @@ from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
 from pretrain.hf.tokenizer_export import write_tokenizer
-from pretrain.paths import require_creatable
+from pretrain.paths import require_writable
 from pretrain.unsharded.whole_model import load_whole, single_process
 from runtime.errors import ConfigError
 
@@ -225,7 +225,7 @@ def export_hf(config: Config, checkpoint: str, output: str) -> dict:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"export-hf --output '{output}' exists and is not an empty folder; "
                           "choose a new folder")
-    require_creatable(output, "export-hf --output")
+    require_writable(output, "export-hf --output")
     single_process(config, "export-hf")
     chunk, tokenizer, found = load_whole(config, checkpoint)
     # written beside the target and renamed into place: an export that stops (Ctrl-C, a full

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import netrc
 import os
 import re
 import uuid
@@ -25,6 +24,7 @@ from pathlib import Path
 from megatron.core import parallel_state
 
 from pretrain.config import Config, WandbMode
+from pretrain.report.wandb_settings import wandb_settings
 from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
@@ -34,32 +34,6 @@ def is_logging_rank() -> bool:
     return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0)
-
-
-def _has_credentials() -> bool:
-    """WANDB_API_KEY or a netrc entry for api.wandb.ai (what `wandb login` writes)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return bool(netrc.netrc().authenticators("api.wandb.ai"))
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def resolve_wandb_mode(mode: WandbMode) -> WandbMode:
-    """``auto`` means online when credentials exist (WANDB_API_KEY or a netrc entry)."""
-    if mode is not WandbMode.AUTO:
-        return mode
-    return WandbMode.ONLINE if _has_credentials() else WandbMode.OFFLINE
-
-
-def check_wandb(config: Config) -> None:
-    """``online`` without credentials would stop the run at wandb.init, after the run folder
-    was written, with wandb's own traceback; say it before anything starts."""
-    if config.logging.wandb_mode is WandbMode.ONLINE and not _has_credentials():
-        raise ConfigError("logging.wandb_mode ('online') needs W&B credentials: set "
-                          "WANDB_API_KEY or run `wandb login`, or use offline (then "
-                          "`wandb sync RUN/wandb/offline-run-*`) or auto")
 
 
 STEP = re.compile(rb'"step": (\d+)')
@@ -92,12 +66,13 @@ class MetricsLogger:
         """The first step of the range being kept from W&B (None: none is)."""
         if not self.active:
             return
-        mode = resolve_wandb_mode(config.logging.wandb_mode)
-        if mode is WandbMode.DISABLED:
+        w = wandb_settings(config)
+        log.info("%s", w.text())
+        if w.mode is WandbMode.DISABLED:
             return
         for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
                          ("WANDB_DATA_DIR", "data")):
-            os.environ.setdefault(var, str(run_dir / "wandb" / sub))
+            os.environ.setdefault(var, str(Path(w.dir.value) / "wandb" / sub))
         import wandb
 
         id_file = run_dir / "wandb_run_id"
@@ -106,14 +81,19 @@ class MetricsLogger:
             self.wandb_high = last_step(self.path)
         else:
             run_id = uuid.uuid4().hex[:12]
-        id_file.write_text(run_id)
-        lg = config.logging
-        self.wandb_run = wandb.init(
-            project=lg.project, entity=lg.entity or None, group=lg.group or None,
-            name=lg.name or run_dir.name, id=run_id, resume="allow", mode=mode,
-            dir=str(run_dir), config={**config.to_dict(), **extra_config},
-        )
-        log.info("W&B run %s (%s) in %s", run_id, mode, self.wandb_run.dir)
+        try:
+            self.wandb_run = wandb.init(
+                project=w.project.value, entity=w.entity.value or None,
+                group=w.group.value or None, name=w.name.value, id=run_id, resume="allow",
+                mode=w.mode.value, dir=w.dir.value, config={**config.to_dict(), **extra_config},
+            )
+        except Exception as err:  # the server went away after the start's check
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"W&B could not start the run ({w.mode.value}): {first}; train "
+                              "offline (--logging.wandb_mode=offline) and `wandb sync` later"
+                              ) from None
+        id_file.write_text(run_id)  # only once W&B holds the run it names
+        log.info("W&B run %s (%s) in %s", run_id, w.mode.value, self.wandb_run.dir)
 
     def log(self, record: dict) -> None:
         if not self.active:

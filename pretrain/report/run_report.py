@@ -6,7 +6,8 @@ Reads ``RUN_DIR/metrics.jsonl`` (``pretrain.report.series``), ``settings_changes
 the keys the run logged (``pretrain.report.panels``), draws them (``pretrain.report.plots``)
 and writes ``report.html`` with every image embedded (``pretrain.report.page``). Everything
 is read and checked, and matplotlib imported, before the output folder is created, so bad
-input (no such folder, no metrics.jsonl, a line that is not JSON) is one ``error:`` line
+input (no such folder, no metrics.jsonl, a line that is not JSON, an output folder that is
+not writable) is one ``error:`` line
 and nothing is written. No torch and no process group: it runs anywhere the run folder is
 readable, also while the run is still training.
 """
@@ -35,8 +36,8 @@ def write_report(run_dir: str | Path, output: str | Path | None = None,
     if not metrics_path.is_file():
         raise DataError(f"run folder '{run_dir}' holds no metrics.jsonl (a run writes it from "
                         "its first logged step or validation)")
-    out = paths.require_creatable(output if output is not None else run_dir / "report",
-                                  "--output")
+    out = paths.require_writable(output if output is not None else run_dir / "report",
+                                 "report --output")
     metrics = read_metrics(metrics_path)
     metrics.settings_changes = read_settings_changes(run_dir / "settings_changes.jsonl")
     info = read_run_info(run_dir)

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pretrain.config import Config, to_toml
+from pretrain.config import Config, WandbMode, to_toml
+from pretrain.paths import require_writable
+from pretrain.report.wandb_settings import wandb_settings
 from runtime import device
 from runtime.errors import ConfigError
 
@@ -41,6 +43,20 @@ def run_metadata(parameters: int) -> dict:
         "world_size": dist.get_world_size(), "parameters": parameters,
         "device": device.device_name(),
     }
+
+
+def check_writable(config: Config) -> None:
+    """Every folder a training start writes (the run folder, its checkpoints, the data cache,
+    W&B's folder) accepts new files: checked before anything is written, by the dry run too."""
+    run_dir = Path(config.run.dir)
+    folders = [(run_dir, "run.dir"), (run_dir / "checkpoints", "the checkpoint folder"),
+               (Path(config.data.cache_dir) if config.data.cache_dir else run_dir / "data_cache",
+                "data.cache_dir" if config.data.cache_dir else "the data cache")]
+    w = wandb_settings(config)
+    if w.mode is not WandbMode.DISABLED:
+        folders.append((Path(w.dir.value) / "wandb", f"W&B's folder ({w.dir.source})"))
+    for folder, what in folders:
+        require_writable(folder, what)
 
 
 def prepare_run_dir(run_dir: Path, config: Config, parameters: int, resuming: bool) -> None:

@@ -37,12 +37,13 @@ from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
 from pretrain.optim import build_optimizer
 from pretrain.report import console
-from pretrain.report.metrics import MetricsLogger, check_wandb, is_logging_rank
+from pretrain.report.metrics import MetricsLogger, is_logging_rank
 from pretrain.report.progress import Progress
 from pretrain.report.throughput import Throughput
 from pretrain.report.units import count, human
+from pretrain.report.wandb_settings import check_wandb
 from pretrain.run import checkpoint
-from pretrain.run.folder import prepare_run_dir, run_metadata
+from pretrain.run.folder import check_writable, prepare_run_dir, run_metadata
 from pretrain.run.lock import RunLock
 from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest, signal_text
@@ -115,9 +116,10 @@ class Prepared(NamedTuple):
 
 def check_before_start(config: Config, config_path: str | None) -> Prepared:
     """Every check a start makes before a process group or model exists (what ``--dry-run``
-    runs too): W&B credentials, the tokenizer and the data (validation split included), what
-    the run resumes or starts from, and its downstream tasks (built: their data read). Writes
-    nothing."""
+    runs too): every folder it will write is writable, W&B (credentials, its server), the
+    tokenizer and the data (validation split included), what the run resumes or starts from,
+    and its downstream tasks (built: their data read). Writes nothing."""
+    check_writable(config)
     check_wandb(config)
     tokenizer = preflight(config)
     begin = check_start(config, config_path)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.run import stop
 from tests.pretrain_fixtures import REPO, cli, make_corpus, train_args
 
 pytestmark = pytest.mark.slow
@@ -423,7 +424,8 @@ EARLY_CASES = {
                                   "--checkpoint", _in(c, "a-file")], ["a-file", "is a file"]),
     "eval of empty complete.json": (lambda c: _eval(c, "empty-complete"), ["not readable JSON"]),
     "online W&B without credentials": (lambda c: _train(c, "--logging.wandb_mode=online"),
-                                       ["logging.wandb_mode ('online')", "WANDB_API_KEY"]),
+                                       ["W&B mode online (logging.wandb_mode)",
+                                        "WANDB_API_KEY"]),
 }
 
 
@@ -465,7 +467,7 @@ def _isolated(monkeypatch, tmp_path):
     afterwards; no W&B credentials; no model or process group can be built or torn down."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    signals = {s: signal.getsignal(s) for s in stop.SIGNALS}
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("HOME", str(tmp_path))
