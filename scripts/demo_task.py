@@ -37,9 +37,13 @@ output_type: multiple_choice
 doc_to_text: "{{{{start}}}}"
 doc_to_choice: "{{{{endings}}}}"
 doc_to_target: answer
-metric_list:
+metric_list:  # aggregation and direction given, so lm-eval does not warn that it assumed them
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
   - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
 """
 
 
