@@ -31,7 +31,7 @@ def transformer_config(
       ``hidden_size``; exchanging shapes first is the one mechanism both schedules honour.
     - ``batch_p2p_comm`` is off with virtual pipelining: the batched isend/irecv path gives
       wrong results with interleaving on gloo.
-    - ``qk_layernorm`` for Q/K/V-norm schemes: it makes megatron sum the per-head norm
+    - ``qk_layernorm`` for Q/K(/V)-norm schemes: it makes megatron sum the per-head norm
       gradients across TP ranks (every rank normalises different heads with shared weights).
     - megatron's fusions (``model.megatron_fusions``): SwiGLU(+bias), bias+dropout+add and
       the native cross-entropy need only torch.compile; RoPE fusion needs TE (and rotary
@@ -67,7 +67,7 @@ def transformer_config(
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
-        qk_layernorm=traits.qkv_norm,
+        qk_layernorm=traits.head_norms,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vp,

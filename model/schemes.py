@@ -63,6 +63,9 @@ class Traits:
     (``ModelConfig.residual_streams``)."""
     qkv_norm: bool = False
     """Attention normalises Q, K and V per head after the projection."""
+    qk_norm: bool = False
+    """Attention normalises Q and K per head after the projection (megatron's own
+    ``qk_layernorm``), V as projected; ``qkv_norm`` includes it."""
     final: FinalNorm = FinalNorm.NORM
     depth_scaled_output_init: bool = True
     """Output projections start at std / sqrt(2 num_layers) (megatron's rule)."""
@@ -71,6 +74,15 @@ class Traits:
     blocks_differ: Callable[[ModelConfig], bool] = _never
     """Whether some blocks hold other parameters than the rest, so checkpoints key each block
     by its global index instead of stacking them."""
+    stream_norms: int = 2
+    """Single-stream schemes: the hidden-size norms a block applies outside its attention and
+    MLP, each of which keeps its input for backward (the dry run's memory estimate; a test
+    counts them on a built block)."""
+
+    @property
+    def head_norms(self) -> bool:
+        """Attention normalises Q and K per head (and V too under ``qkv_norm``)."""
+        return self.qk_norm or self.qkv_norm
 
 
 _SIAMESE_FIELDS = ("siamese_input_norm", "siamese_depth_constant")
@@ -101,12 +113,16 @@ class ResidualScheme(StrEnum):
     DEEPNORM = "deepnorm", Traits(final=FinalNorm.NONE, depth_scaled_output_init=False)
     # QKV-norm attention, Post-Norm around the MLP; final norm
     HYBRIDNORM = "hybridnorm", Traits(qkv_norm=True, fields=("hybrid_first_block",),
-                                      blocks_differ=_with_prenorm_first_block)
+                                      blocks_differ=_with_prenorm_first_block, stream_norms=1)
     # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
     MIXLN = "mixln", Traits(fields=("mixln_post_ratio",), blocks_differ=_always)
     # Hyper-connections: n streams, each sublayer reads a mix and writes into all; summed at
     # the end, then a norm
     HC = "hc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME, fields=("hc_rate", "hc_dynamic"))
+    # Peri-LN: h <- h + Nout(F(Nin(h))); final norm
+    PERILN = "periln", Traits(stream_norms=4)
+    # OLMo 2: h <- h + N(F(h)) with QK-norm; final norm; no depth-scaled init
+    OLMO2 = "olmo2", Traits(qk_norm=True, depth_scaled_output_init=False)
 
 
 def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:

@@ -90,13 +90,14 @@ def core_attention(model: ModelConfig):
 
 def attention_spec(model: ModelConfig, backend: NormBackend,
                    fuse_input_norm: bool = False) -> ModuleSpec:
-    """Self-attention (with per-head Q/K/V norms for QKV-norm schemes). ``fuse_input_norm``:
-    the QKV projection applies the block's input norm itself (the layer's must be IdentityOp)."""
-    qkv_norm = model.residual_scheme.traits.qkv_norm
-    head_norm = plain_norm(model, backend) if qkv_norm else IdentityOp
+    """Self-attention (with per-head Q/K norms for QK-norm schemes, Q/K/V norms for QKV-norm
+    ones). ``fuse_input_norm``: the QKV projection applies the block's input norm itself (the
+    layer's must be IdentityOp)."""
+    traits = model.residual_scheme.traits
+    head_norm = plain_norm(model, backend) if traits.head_norms else IdentityOp
     linears = linear_modules(model)
     return ModuleSpec(
-        module=QKVNormSelfAttention if qkv_norm else SelfAttention,
+        module=QKVNormSelfAttention if traits.qkv_norm else SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=linears["norm_column"] if fuse_input_norm else linears["column"],

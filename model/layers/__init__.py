@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from model.layers import deepnorm, hc, hybridnorm, mixln, post, pre, siamese, siamese_hybrid
+from model.layers import (
+    deepnorm,
+    hc,
+    hybridnorm,
+    mixln,
+    olmo2,
+    periln,
+    post,
+    pre,
+    siamese,
+    siamese_hybrid,
+)
 from model.schemes import ResidualScheme
 
 SCHEME_FILES: dict[ResidualScheme, ModuleType] = {
@@ -22,4 +33,6 @@ SCHEME_FILES: dict[ResidualScheme, ModuleType] = {
     ResidualScheme.HYBRIDNORM: hybridnorm,
     ResidualScheme.MIXLN: mixln,
     ResidualScheme.HC: hc,
+    ResidualScheme.PERILN: periln,
+    ResidualScheme.OLMO2: olmo2,
 }

@@ -44,7 +44,7 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
     kv = groups * (h // heads)
     n = m.residual_streams
     if n == 1:
-        streams = (h if traits.qkv_norm else 2 * h) * width
+        streams = traits.stream_norms * h * width
     elif not traits.two_stream:  # hyper-connections (counted on the model, not on a GPU)
         streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + 2 * h) * width
     else:  # SiameseNorm: the layer input, and r for the MLP entry
@@ -54,6 +54,8 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
     attention = (h + 2 * kv + h + kv + h) * width + 4 * heads
     if traits.qkv_norm:
         attention += kv * width + 8 * (heads + 2 * groups)
+    elif traits.qk_norm:
+        attention += 8 * (heads + groups)
     if m.activation is Activation.SWIGLU:
         mlp = (2 * f + (f if fusions.activation else 3 * f)) * width
     else:
@@ -82,16 +84,18 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       projection's input; 4a bytes of fp32 logsumexp (flash attention keeps no s x s scores).
       QKV-norm adds kv (the normalised V; its fused kernel reads the QKV output, kept anyway,
       and writes Q and K where RoPE reads them) and 8 (a + 2g) bytes of per-head-row fp32
-      statistics.
+      statistics; QK-norm (olmo2) only the statistics of Q and K, 8 (a + g) bytes.
     - MLP: h, the fc1 input; 2f, the fc1 output (f for GELU); then megatron's unfused SwiGLU
       keeps silu(gate), up + 0 (its glu_linear_offset add copies) and their product, the fc2
       input: 3f; with the activation fusion only the product, f; GELU its output, f.
-    - streams, one (n = 1): 2h, the inputs of the two sublayer norms (h with QKV-norm: its
-      attention has no norm in front). Several (SiameseNorm): the fused norm kernels keep their
-      inputs, not their outputs: n h, the layer input, read by the attention entry; the MLP
-      entry re-derives the updated streams from it and the attention output r (recomputing
-      u = Npost(x)), so it keeps h more, r. With QKV-norm (the hybrid form) x reaches attention
-      through the channel gate, which keeps x itself, a half of the layer input.
+    - streams, one (n = 1): the input of every norm a block applies outside its branches,
+      h each (``Traits.stream_norms``): 2h (pre, post, ...), h (hybridnorm: its attention has
+      no norm in front), 4h (periln: the branch outputs' norms keep them too). Several
+      (SiameseNorm): the fused norm kernels keep their inputs, not their outputs: n h, the
+      layer input, read by the attention entry; the MLP entry re-derives the updated streams
+      from it and the attention output r (recomputing u = Npost(x)), so it keeps h more, r.
+      With QKV-norm (the hybrid form) x reaches attention through the channel gate, which
+      keeps x itself, a half of the layer input.
       Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
       mixes and writes (n h), the mixed input of its norm (h), the branch output it scales
       into every stream (h) and, dynamic, the normalised streams its weights come from (n h);
@@ -102,8 +106,9 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       left out; the CPU's exact path keeps one [b, 1, s, s] boolean mask per micro-batch
       more, s bytes per token, not counted here).
 
-    That is pre, post, deepnorm and mixln 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f, siamese
-    8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f (2f less each with the activation fusion).
+    That is pre, post, deepnorm, mixln and olmo2 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f,
+    periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f (2f less each
+    with the activation fusion).
     The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
     (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
     with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the

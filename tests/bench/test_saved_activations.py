@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from bench import saved_activations
+from model.schemes import ResidualScheme
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,8 @@ ARGS = saved_activations.parse_args([f"--hidden={HIDDEN}", f"--heads={HEADS}", "
                                      "--seq=64", "--vocab=256"])
 
 
-SCHEMES = ["pre", "post", "deepnorm", "mixln", "hybridnorm", "siamese", "siamese_hybrid"]
+# Every registered scheme: hyper-connections with their own allowance, below.
+SCHEMES = [s.value for s in ResidualScheme if s is not ResidualScheme.HC]
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,8 @@ SCHEMES = [
     ("hc", {}),
     ("hc", {"hc_dynamic": False}),
     ("hc", {"hc_rate": 3}),
+    ("periln", {}),
+    ("olmo2", {}),
 ]
 
 
@@ -63,7 +65,7 @@ class Reference:
         t1, t2 = t[..., : d // 2], t[..., d // 2:]
         return t * cos + torch.cat([-t2, t1], -1) * sin
 
-    def attention(self, a, layer, qkv_norm):
+    def attention(self, a, layer, qkv_norm, qk_norm=False):
         cfg, pre = self.cfg, f"decoder.layers.{layer}.self_attention"
         b, s, _ = a.shape
         nh, ng = cfg.num_attention_heads, cfg.kv_heads
@@ -72,9 +74,10 @@ class Reference:
         q = qkv[..., : per * hd].reshape(b, s, nh, hd)
         k = qkv[..., per * hd: (per + 1) * hd]
         v = qkv[..., (per + 1) * hd:]
-        if qkv_norm:
+        if qkv_norm or qk_norm:
             q = self.norm(q, f"{pre}.q_layernorm")
             k = self.norm(k, f"{pre}.k_layernorm")
+        if qkv_norm:
             v = self.norm(v, f"{pre}.v_layernorm")
         q, k = self.rope(q), self.rope(k)
         k, v = k.repeat_interleave(per, dim=2), v.repeat_interleave(per, dim=2)
@@ -89,8 +92,10 @@ class Reference:
         gate, up = (s @ self.p[f"{pre}.linear_fc1.weight"].T).chunk(2, -1)
         return (torch.nn.functional.silu(gate) * up) @ self.p[f"{pre}.linear_fc2.weight"].T
 
-    def branch(self, k, inp, layer, qkv_norm=False):
-        return self.attention(inp, layer, qkv_norm) if k == "attn" else self.mlp(inp, layer)
+    def branch(self, k, inp, layer, qkv_norm=False, qk_norm=False):
+        if k == "attn":
+            return self.attention(inp, layer, qkv_norm, qk_norm)
+        return self.mlp(inp, layer)
 
     def hyper_connection(self, H, hc, norm, k, i):
         """H [b, s, n, d] after one sublayer: h = sum_i Am_i H_i, r = F(N(h)),
@@ -139,6 +144,11 @@ class Reference:
                     if k == "mlp":
                         h = self.norm(h, n("mlp_post_norm"))
                     h = h + self.branch(k, h, i, qkv_norm=True)
+                elif scheme == "periln":  # Kim et al.: norms around the sublayer
+                    h = h + self.norm(self.branch(k, self.norm(h, n(f"{k}_in_norm")), i),
+                                      n(f"{k}_out_norm"))
+                elif scheme == "olmo2":  # OLMo 2: the sublayer's output normalised, QK-norm
+                    h = h + self.norm(self.branch(k, h, i, qk_norm=True), n(f"{k}_out_norm"))
                 elif scheme == "hc":  # Zhu et al.'s hyper-connections, sublayer k of block i
                     H = self.hyper_connection(H, n(f"{k}_hc"), n(f"{k}_norm"), k, i)
                 elif scheme == "siamese":  # Npost, Npre, Nin of sublayer k: k_norms.*
@@ -165,7 +175,7 @@ class Reference:
                         r = self.branch(k, n_in(x + self.norm(y, n("mlp_norms.pre")),
                                                 n("mlp_norms.inp")), i)
                     x, y = x + r / c, y + r
-        if scheme in ("pre", "hybridnorm", "mixln"):
+        if scheme in ("pre", "hybridnorm", "mixln", "periln", "olmo2"):
             h = self.norm(h, "decoder.final_layernorm")
         elif scheme == "hc":  # the streams summed, then the final norm
             h = self.norm(H.sum(-2), "decoder.final_layernorm.final_norm")

@@ -5,6 +5,7 @@ import torch
 
 from model.builder import build_model, wrap_ddp
 from model.config import ParallelConfig
+from model.schemes import ResidualScheme
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
 
@@ -23,7 +24,7 @@ def grads_with(scheme: str, **parallel) -> tuple[list[float], dict, int]:
     return losses, grads, len(calls)
 
 
-@pytest.mark.parametrize("scheme", ["pre", "post", "siamese", "siamese_hybrid"])
+@pytest.mark.parametrize("scheme", [s.value for s in ResidualScheme])  # every one
 @pytest.mark.parametrize("recompute", [
     dict(recompute="full", recompute_num_layers=1),
     dict(recompute="full", recompute_num_layers=2),

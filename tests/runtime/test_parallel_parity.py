@@ -23,7 +23,8 @@ from tests.helpers import MBS, SEQ, VOCAB, batches, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_layout
 
 SCHEMES = ["siamese", "siamese_hybrid"]
-BASELINES = ["deepnorm", "hybridnorm", "mixln", "hc"]  # TP=2 and PP=2 only
+# Every other registered scheme: TP=2 and PP=2 only
+BASELINES = [s.value for s in ResidualScheme if s.value not in SCHEMES]
 LAYOUTS = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
