@@ -79,7 +79,9 @@ def _keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
 
 def flex_block_mask(mask: torch.Tensor, sq: int, sk: int):
     """flex attention's block mask for document ids (CUDA): blocks of 128 x 128 positions
-    wholly outside every document are skipped, no s x s tensor is built."""
+    wholly outside every document are skipped. Making it evaluates the rule once over the
+    s x s grid (transiently, once per micro-batch); nothing of that size is kept, and the
+    attention itself never forms one."""
     return _once_per_mask("flex", mask, (sq, sk), lambda: _flex_block_mask(mask, sq, sk))
 
 

@@ -16,7 +16,7 @@ expanded per query head first, as megatron does.
 
 Document attention (``model.documents``: the mask is document ids) takes one of two paths,
 chosen when the module is built: on CUDA, flex attention with a block mask made from the ids
-(compiled once; blocks outside every document are skipped and no s x s tensor exists); on the
+(compiled once; blocks outside every document are skipped and no s x s tensor is kept); on the
 CPU, SDPA with the exact boolean mask (same document and causal), [b, 1, s, s] bytes per
 micro-batch. Flex attention has no dropout: with attention dropout in training the exact mask
 is used on CUDA too.
