@@ -64,8 +64,8 @@ class ModelConfig:
     """Shape and residual scheme of a decoder-only transformer."""
 
     residual_scheme: ResidualScheme = ResidualScheme.SIAMESE
-    """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln | hc (each
-    scheme's equations are in its layer's docstring, model/layers)."""
+    """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln | hc | periln |
+    olmo2 (each scheme's equations are in its layer's docstring, model/layers)."""
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4

@@ -9,12 +9,14 @@ head) and SwiGLU's [gate; up] fc1 are the only facts taken from megatron.
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
+from model.schemes import ResidualScheme
 from tests.helpers import tiny_model
 
 SCHEMES = [
@@ -166,7 +168,7 @@ class Reference:
                         r = self.branch(k, n_in(xin + self.norm(y, n("mlp_pre_norm")),
                                                 n("mlp_in_norm")), i)
                     x, y = x + r / c, y + r
-                else:  # siamese_hybrid
+                elif scheme == "siamese_hybrid":
                     if k == "attn":
                         a = x * self.p[n("attn_gate.weight")] + self.norm(y, n("attn_pre_norm"))
                         r = self.branch(k, a, i, qkv_norm=True)
@@ -175,6 +177,8 @@ class Reference:
                         r = self.branch(k, n_in(x + self.norm(y, n("mlp_norms.pre")),
                                                 n("mlp_norms.inp")), i)
                     x, y = x + r / c, y + r
+                else:
+                    raise NotImplementedError(f"no equations transcribed for scheme {scheme}")
         if scheme in ("pre", "hybridnorm", "mixln", "periln", "olmo2"):
             h = self.norm(h, "decoder.final_layernorm")
         elif scheme == "hc":  # the streams summed, then the final norm
@@ -184,6 +188,18 @@ class Reference:
             h = self.norm(self.norm(x, f"{f}.x_norm") + self.norm(y, f"{f}.y_norm"),
                           f"{f}.final_norm")
         return h @ self.p["output_layer.weight"].T
+
+
+def test_every_registered_scheme_has_its_equations():
+    """A new scheme fails here until its equations are transcribed and it has a case."""
+    assert {scheme for scheme, _ in SCHEMES} == {s.value for s in ResidualScheme}
+
+
+def test_the_reference_refuses_a_scheme_it_does_not_know():
+    cfg = SimpleNamespace(**{**vars(tiny_model("pre")), "residual_scheme": "throwaway"})
+    params = {"embedding.word_embeddings.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)}
+    with pytest.raises(NotImplementedError, match="throwaway"):
+        Reference(cfg, params).logits(torch.zeros(1, 2, dtype=torch.long))
 
 
 def rel_err(a, b) -> float:

@@ -3,7 +3,7 @@
 The fields mirror the training framework's ``model.*`` fields of the same meaning, so a
 folder's ``config.json`` states the model exactly as it was trained: the residual scheme
 (``pre``, ``post``, ``siamese``, ``siamese_hybrid``, ``deepnorm``, ``hybridnorm``, ``mixln``,
-``hc``) and the switches only some schemes read.
+``hc``, ``periln``, ``olmo2``) and the switches only some schemes read.
 """
 
 import os
@@ -41,7 +41,8 @@ def check_transformers():
 
 check_transformers()
 
-SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc")
+SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc",
+           "periln", "olmo2")
 
 
 class SiameseNormConfig(_Config):

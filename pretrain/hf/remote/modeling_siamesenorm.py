@@ -5,17 +5,17 @@ framework's checkpoints (megatron's module tree: ``model.decoder.layers.<l>.self
 .linear_qkv.weight``, ...), so an export is a renaming of tensors and never a re-derivation.
 Every scheme keeps its residual streams in a small state and shares one attention and one MLP:
 
-- single stream (pre, post, deepnorm, hybridnorm, mixln): h
+- single stream (pre, post, deepnorm, hybridnorm, mixln, periln, olmo2): h
 - SiameseNorm (siamese, siamese_hybrid): (x, y), both starting as the embedding; c_l =
   sqrt(2 (l + 1)) scales the x update of block l; merged at the end as Nfinal(Na(x) + Nb(y))
 - hyper-connections (hc): n streams [b, s, n, h], summed at the end, then a norm
 
 Conventions that matter for equality with the training framework: Q, K and V come from one
 projection laid out per K/V group (that group's query heads, its key head, its value head);
-per-head Q/K/V norms (siamese_hybrid, hybridnorm) act before RoPE; RoPE rotates halves; the
-SwiGLU projection holds [gate | up]; norms compute in fp32; SiameseNorm's channel gate stays
-fp32. The KV cache holds keys and values only: every other quantity is per token, so cached
-generation computes exactly what a full forward does.
+per-head Q/K/V norms (siamese_hybrid, hybridnorm; Q/K only for olmo2) act before RoPE; RoPE
+rotates halves; the SwiGLU projection holds [gate | up]; norms compute in fp32; SiameseNorm's
+channel gate stays fp32. The KV cache holds keys and values only: every other quantity is per
+token, so cached generation computes exactly what a full forward does.
 """
 
 import inspect
@@ -91,7 +91,7 @@ def rotate(t, rope):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_norm: bool):
+    def __init__(self, config, layer_idx: int, qkv_norm: bool, qk_norm: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.heads, self.groups = config.num_attention_heads, config.num_key_value_heads
@@ -101,10 +101,11 @@ class Attention(nn.Module):
         self.linear_qkv = nn.Linear(config.hidden_size,
                                     self.groups * (self.per_group + 2) * self.head_dim, bias=bias)
         self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=bias)
-        self.qkv_norm = qkv_norm
-        if qkv_norm:
+        self.qk_norm, self.qkv_norm = qk_norm or qkv_norm, qkv_norm
+        if self.qk_norm:
             self.q_layernorm = Norm(config, self.head_dim)
             self.k_layernorm = Norm(config, self.head_dim)
+        if qkv_norm:
             self.v_layernorm = Norm(config, self.head_dim)
 
     def forward(self, hidden, ctx: Context):
@@ -112,8 +113,10 @@ class Attention(nn.Module):
         qkv = self.linear_qkv(hidden).view(b, s, self.groups, self.per_group + 2, self.head_dim)
         q = qkv[..., :self.per_group, :].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[..., self.per_group, :], qkv[..., self.per_group + 1, :]
+        if self.qk_norm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.qkv_norm:
-            q, k, v = self.q_layernorm(q), self.k_layernorm(k), self.v_layernorm(v)
+            v = self.v_layernorm(v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if ctx.rope is not None:
             q, k = rotate(q, ctx.rope), rotate(k, ctx.rope)
@@ -147,9 +150,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One attention and one MLP; subclasses say how the residual streams use them."""
 
-    def __init__(self, config, layer_idx: int, qkv_norm: bool = False):
+    def __init__(self, config, layer_idx: int, qkv_norm: bool = False, qk_norm: bool = False):
         super().__init__()
-        self.self_attention = Attention(config, layer_idx, qkv_norm)
+        self.self_attention = Attention(config, layer_idx, qkv_norm, qk_norm)
         self.mlp = MLP(config)
 
 
@@ -191,6 +194,32 @@ class HybridNormBlock(Block):
         h = h + self.self_attention(h, ctx)
         u = self.mlp_post_norm(h)
         return u + self.mlp(u)
+
+
+class PeriLNBlock(Block):
+    """Peri-LN: h = h + Nout(Attn(Nin(h))); h = h + Nout'(MLP(Nin'(h)))."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        for name in ("attn_in_norm", "attn_out_norm", "mlp_in_norm", "mlp_out_norm"):
+            setattr(self, name, Norm(config, config.hidden_size))
+
+    def forward(self, h, ctx):
+        h = h + self.attn_out_norm(self.self_attention(self.attn_in_norm(h), ctx))
+        return h + self.mlp_out_norm(self.mlp(self.mlp_in_norm(h)))
+
+
+class OLMo2Block(Block):
+    """OLMo 2: h = h + N(Attn(h)) (Q/K norms); h = h + N'(MLP(h))."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx, qk_norm=True)
+        self.attn_out_norm = Norm(config, config.hidden_size)
+        self.mlp_out_norm = Norm(config, config.hidden_size)
+
+    def forward(self, h, ctx):
+        h = h + self.attn_out_norm(self.self_attention(h, ctx))
+        return h + self.mlp_out_norm(self.mlp(h))
 
 
 def depth_constant(config, layer_idx: int) -> float:
@@ -343,7 +372,13 @@ def build_block(config, index: int) -> nn.Module:
         if index == 0 and first != "hybrid":
             return HybridNormStarFirstBlock(config, index)
         return SiameseHybridBlock(config, index)
-    return HyperConnectionBlock(config, index)
+    if scheme == "hc":
+        return HyperConnectionBlock(config, index)
+    if scheme == "periln":
+        return PeriLNBlock(config, index)
+    if scheme == "olmo2":
+        return OLMo2Block(config, index)
+    raise ValueError(f"residual_scheme ({scheme!r}) has no block in this remote code")
 
 
 class MergeNorm(nn.Module):
@@ -379,7 +414,9 @@ def build_final(config) -> nn.Module:
         return MergeNorm(config)
     if scheme == "hc":
         return StreamSumNorm(config)
-    return Norm(config, config.hidden_size)
+    if scheme in ("pre", "hybridnorm", "mixln", "periln", "olmo2"):
+        return Norm(config, config.hidden_size)
+    raise ValueError(f"residual_scheme ({scheme!r}) has no decoder end in this remote code")
 
 
 class Embedding(nn.Module):

@@ -18,6 +18,7 @@ import shutil
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -27,9 +28,11 @@ from packaging.version import Version
 
 from model.builder import build_model
 from model.config import ParallelConfig
+from model.schemes import ResidualScheme
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.hf import export as hf_export
 from pretrain.hf.export import write_folder
+from pretrain.hf.remote.configuration_siamesenorm import SCHEMES as REMOTE_SCHEMES
 from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
 from pretrain.unsharded.generate import Sampling, continue_tokens
 from tests.helpers import tiny_model
@@ -58,7 +61,27 @@ CASES = {
     "mixln": ("mixln", {"mixln_post_ratio": 0.5}),
     "hc": ("hc", {}),
     "hc-static": ("hc", {"hc_dynamic": False, "hc_rate": 2}),
+    "periln": ("periln", {}),
+    "olmo2": ("olmo2", {}),
 }
+
+
+def test_every_registered_scheme_is_exported_and_tested():
+    """The remote code accepts exactly the registered schemes, and each has a case here: a
+    new scheme fails this until its block is written and checked against its layer."""
+    registered = {scheme.value for scheme in ResidualScheme}
+    assert set(REMOTE_SCHEMES) == registered
+    assert {scheme for scheme, _ in CASES.values()} == registered
+
+
+def test_remote_code_refuses_a_scheme_it_does_not_know():
+    from pretrain.hf.remote import modeling_siamesenorm as remote
+
+    config = SimpleNamespace(residual_scheme="throwaway", hybrid_first_block="hybrid")
+    with pytest.raises(ValueError, match="throwaway"):
+        remote.build_block(config, 0)
+    with pytest.raises(ValueError, match="throwaway"):
+        remote.build_final(config)
 
 
 def perturbed_model(scheme: str, fields: dict, vocab: int):

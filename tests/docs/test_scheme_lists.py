@@ -1,0 +1,64 @@
+"""The lists and counts of residual schemes in README.md, docs/ and docstrings are the
+registry's (``ResidualScheme``), so a new scheme cannot leave them stale."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from model.schemes import ResidualScheme
+
+ROOT = Path(__file__).resolve().parents[2]
+REGISTERED = [s.value for s in ResidualScheme]
+
+
+def table_schemes(page: Path) -> list[str]:
+    """The first column of the page's first table headed ``| scheme | per sublayer``."""
+    lines = page.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| scheme | per sublayer"))
+    names = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        names.append(line.split("|")[1].strip().strip("`"))
+    return names
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/schemes.md"])
+def test_equation_tables_list_every_scheme(page):
+    assert table_schemes(ROOT / page) == REGISTERED
+
+
+def test_shell_loops_over_schemes_name_every_scheme():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    loops = [(page.name, m.group(1).split()) for page in pages
+             for m in re.finditer(r"for scheme in ([\w ]+); do", page.read_text())]
+    assert loops, "no loop over schemes found"
+    for page, names in loops:
+        assert names == REGISTERED, page
+
+
+def test_config_docstring_lists_every_scheme():
+    source = (ROOT / "model" / "config.py").read_text()
+    listed = re.search(r'residual_scheme: ResidualScheme = .*\n\s*"""([^(]*)\(', source)
+    assert listed, "model/config.py: residual_scheme's docstring not found"
+    assert [s.strip() for s in listed.group(1).split("|")] == REGISTERED
+
+
+def test_preset_count_and_scheme_list_in_parallelism_doc():
+    spec = importlib.util.spec_from_file_location("generate",
+                                                  ROOT / "configs" / "paper" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    presets = generate.presets()
+    per_scheme = sum(1 for name in presets if Path(name).stem.split("-")[0] == "pre")
+    text = " ".join((ROOT / "docs" / "parallelism.md").read_text().split())
+    found = re.search(r"for every residual scheme \(([^;]*); the list is `ResidualScheme` in "
+                      r"`model/schemes.py`\): (\d+) presets, (\d+) per scheme", text)
+    assert found, "docs/parallelism.md: the sentence on the paper's presets not found"
+    names = [n.strip(" `") for n in found.group(1).split(",")]
+    assert names == REGISTERED
+    assert (int(found.group(2)), int(found.group(3))) == (len(presets), per_scheme)
