@@ -10,7 +10,8 @@ Key families read here, besides the training record's own fields:
 ``val_loss`` (the default validation set) and ``val/<name>/loss`` (further sets);
 ``diag/{x,y,h}_{rms,grad_norm}/block<NN>`` and ``diag/merge/*``
 (``pretrain.train.diagnostics``); ``downstream/<task>/<metric>``, where a
-``<metric>_stderr`` becomes the band around its metric; ``spike_loss`` of loss-spike events.
+``<metric>_stderr`` becomes the band around its metric and ``chance`` (a multiple-choice
+task's guessing level) a dashed line; ``spike_loss`` of loss-spike events.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pretrain.report.series import RunMetrics
 VALIDATION = re.compile(r"^val/(.+)/loss$")
 DOWNSTREAM = re.compile(r"^downstream/([^/]+)/(.+)$")
 STREAM_STAT = re.compile(r"^diag/([a-z]+)_(rms|grad_norm)/block(\d+)$")
+CHANCE = "chance"  # downstream/<task>/chance: a reference level, not a score
 STREAMS = {"x": "x stream (Post-Norm-like)", "y": "y stream (Pre-Norm-like)",
            "h": "residual stream"}
 
@@ -215,8 +217,13 @@ def _downstream(metrics: RunMetrics) -> Figure | None:
     tasks = downstream_tasks(metrics)
     if not tasks:
         return None
-    return Figure("downstream", "Downstream scores",
-                  tuple(Plot(task, "score", tuple(curves)) for task, curves in tasks.items()))
+    plots = []
+    for task, curves in tasks.items():
+        chance = metrics.series.get(f"downstream/{task}/{CHANCE}")
+        level = chance.last() if chance is not None else None
+        plots.append(Plot(task, "score", tuple(c for c in curves if c.label != CHANCE),
+                          threshold=(level[1], "chance (a uniform guess)") if level else None))
+    return Figure("downstream", "Downstream scores", tuple(plots))
 
 
 def marks(metrics: RunMetrics) -> list[Mark]:

@@ -6,14 +6,19 @@ report's step axis (0 to the run's last step), so figures line up when read one 
 another; the top axis of the first row gives the tokens consumed by then. What a reader must
 see at a glance is drawn explicitly: a null (NaN/Inf) value is a gap in its line and a tick
 at the bottom of the panel, settings changed on resume and rollbacks are vertical lines with
-their label, and legends sit right of the data, never on it.
+their label, legends sit right of the data, never on it, and a spike does not set the axis:
+it is clipped to the body of the data (``pretrain.report.outliers``) and what lies beyond is
+a marker on the edge, its count and extreme in the legend. Titles wrap to the figure's width,
+and the top axis labels the bottom axis's own ticks, so no label is cut or drawn over another.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
+from pretrain.report.outliers import body_range
 from pretrain.report.panels import Curve, Figure, Mark, Plot
 from pretrain.report.series import RunMetrics, Series, smooth
 from runtime.errors import ConfigError
@@ -25,7 +30,14 @@ MARKERS_UP_TO = 60
 # narrower range a log axis shows nothing a linear one does not, with worse tick labels.
 LOG_FROM = 10.0
 PANEL_INCHES = (6.4, 3.4)
+# At most this many intervals on the step axis: a panel beside its legend is ~3.5 inches
+# wide, room for six labels of six digits (step 120000) and the tokens above them.
+STEP_TICKS = 5
 DPI = 100
+# The mean width of a character in em (DejaVu Sans, matplotlib's default, with caps and
+# digits): a title longer than the width it may take at this estimate wraps instead of
+# running off the figure's edge.
+CHAR_EM = 0.62
 
 
 def pyplot():
@@ -55,10 +67,12 @@ def _linear(x, xs, ys):
 
 
 def _tokens_axis(ax, consumed: Series | None) -> None:
-    """Consumed tokens on the top axis, read off the logged (step, consumed_tokens) pairs;
-    left out unless both grow strictly (then each converts to the other)."""
+    """Consumed tokens on the top axis, read off the logged (step, consumed_tokens) pairs, at
+    the bottom axis's step ticks: tokens per step change (a rollback that skips data jumps
+    ahead), so round token ticks could fall on one step and print over each other. Left out
+    unless both grow strictly (then each converts to the other)."""
     import numpy as np
-    from matplotlib.ticker import EngFormatter
+    from matplotlib.ticker import EngFormatter, FixedLocator, FuncFormatter
 
     points = consumed.finite() if consumed is not None else []
     if points and points[0][0] > 0:
@@ -71,12 +85,19 @@ def _tokens_axis(ax, consumed: Series | None) -> None:
         return
     top = ax.secondary_xaxis("top", functions=(lambda s: _linear(s, steps, tokens),
                                                lambda t: _linear(t, tokens, steps)))
-    top.xaxis.set_major_formatter(EngFormatter())
+    low, high = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if low <= t <= high]
+    top.xaxis.set_major_locator(FixedLocator(_linear(ticks, steps, tokens)))
+    eng = EngFormatter()
+    top.xaxis.set_major_formatter(FuncFormatter(lambda t, _: eng(float(f"{t:.3g}"))))
     top.set_xlabel("tokens consumed", fontsize=8)
     top.tick_params(labelsize=7)
 
 
-def _curve(ax, curve: Curve, metrics: RunMetrics, color, gaps_named: list[bool]) -> None:
+def _curve(ax, curve: Curve, metrics: RunMetrics, color, gaps_named: list[bool],
+           index: int) -> None:
+    """One curve; ``index``: its place in the panel (counters on one panel often hold the
+    same counts, so each later one is narrower and dashed over the earlier, both seen)."""
     import numpy as np
 
     series = metrics.series[curve.key]
@@ -86,7 +107,8 @@ def _curve(ax, curve: Curve, metrics: RunMetrics, color, gaps_named: list[bool])
         ax.plot(xs, ys, "v", color="tab:red", markersize=6, label=curve.label)
         return
     if curve.kind == "counter":
-        ax.step(xs, ys, where="post", color=color, linewidth=1.5, label=curve.label)
+        ax.step(xs, ys, where="post", color=color, linewidth=max(4.0 - 2 * index, 1.2),
+                linestyle="-" if index == 0 else (0, (4, 2)), label=curve.label)
         ax.yaxis.get_major_locator().set_params(integer=True)
     elif curve.smooth > 1:
         ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8, label=f"{curve.label} (raw)")
@@ -121,7 +143,7 @@ def _plot(plt, fig, ax, plot: Plot, metrics: RunMetrics) -> None:
     gaps_named: list[bool] = []
     for i, curve in enumerate(curves):
         color = cmap(norm(i)) if plot.by_depth else colors[i % len(colors)]
-        _curve(ax, curve, metrics, color, gaps_named)
+        _curve(ax, curve, metrics, color, gaps_named, i)
         finite += [v * curve.scale for _, v in metrics.series[curve.key].finite()]
     if not finite:
         ax.text(0.5, 0.5, "no finite value logged", transform=ax.transAxes, ha="center",
@@ -129,11 +151,17 @@ def _plot(plt, fig, ax, plot: Plot, metrics: RunMetrics) -> None:
     if plot.threshold is not None:
         ax.axhline(plot.threshold[0], color="gray", linestyle="--", linewidth=1,
                    label=plot.threshold[1])
+    body = body_range([[v * c.scale for v in metrics.series[c.key].values]
+                       for c in curves if c.kind != "events"])
+    if body is not None:
+        finite = [v for v in finite if body[0] <= v <= body[1]]
     positive = [v for v in finite if v > 0]
     if plot.log_y and positive and max(positive) > LOG_FROM * min(positive):
         ax.set_yscale("log")
     else:  # values as they are, not as offsets from a "+1" in the corner
         ax.ticklabel_format(axis="y", useOffset=False)
+    if body is not None:
+        _clip(ax, body, curves, metrics, ax.get_yscale() == "log")
     if plot.by_depth and curves:
         from matplotlib.cm import ScalarMappable
 
@@ -149,11 +177,45 @@ def _plot(plt, fig, ax, plot: Plot, metrics: RunMetrics) -> None:
         ax.legend(*zip(*shown, strict=True), loc="upper left", bbox_to_anchor=(1.01, 1.0),
                   fontsize=8, frameon=False)
     if plot.title:
-        ax.set_title(plot.title, fontsize=10)
+        ax.set_title(_wrapped(plot.title, 10, PANEL_INCHES[0] * 0.75), fontsize=10)
     ax.set_ylabel(plot.ylabel, fontsize=9)
     ax.set_xlabel("step", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
+
+
+def _clip(ax, body: tuple[float, float], curves: list[Curve], metrics: RunMetrics,
+          log: bool) -> None:
+    """The y axis over ``body`` alone; every value beyond it a marker on the edge it lies
+    past, one legend entry per edge with the count and the extreme value."""
+    low, high = body
+    if log:
+        ax.set_ylim(low / 1.25, high * 1.25)
+    else:
+        pad = 0.05 * (high - low) or 0.05 * abs(high) or 1.0
+        ax.set_ylim(low - pad, high + pad)
+    for above, edge, marker in ((True, 1.0, "^"), (False, 0.0, "v")):
+        def past(v: float, above=above) -> bool:
+            return v > high if above else v < low
+
+        for c in (c for c in curves if c.kind == "events"):  # its own marker, on the edge
+            steps = [s for s, v in metrics.series[c.key].finite() if past(v * c.scale)]
+            ax.plot(steps, [edge] * len(steps), "v", color="tab:red", markersize=6,
+                    clip_on=False, transform=ax.get_xaxis_transform())
+        beyond = [(s, v * c.scale) for c in curves if c.kind != "events"
+                  for s, v in metrics.series[c.key].finite() if past(v * c.scale)]
+        if not beyond:
+            continue
+        extreme = max(v for _, v in beyond) if above else min(v for _, v in beyond)
+        ax.plot([s for s, _ in beyond], [edge] * len(beyond), marker, color="black",
+                markersize=6, clip_on=False, transform=ax.get_xaxis_transform(),
+                label=f"{len(beyond)} value(s) {'above' if above else 'below'} the axis, "
+                      f"{'up' if above else 'down'} to {extreme:.4g}")
+
+
+def _wrapped(title: str, size: int, inches: float) -> str:
+    """``title`` in lines that fit ``inches`` at font ``size``."""
+    return "\n".join(textwrap.wrap(title, int(inches * 72 / (CHAR_EM * size))))
 
 
 def _marks(ax, marks: list[Mark], labelled: bool) -> None:
@@ -166,9 +228,9 @@ def _marks(ax, marks: list[Mark], labelled: bool) -> None:
                     bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 1})
 
 
-def draw(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_title: str,
-         last_step: int, path: Path) -> None:
-    """``figure`` as a PNG at ``path``: up to three panels per row."""
+def render(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_title: str,
+           last_step: int):
+    """``figure`` as a matplotlib figure, up to three panels per row (the caller closes it)."""
     count = len(figure.plots)
     columns = min(3, count)
     rows = math.ceil(count / columns)
@@ -177,12 +239,23 @@ def draw(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_title:
     for i, (ax, plot) in enumerate(zip(axes.flat, figure.plots, strict=False)):
         _plot(plt, fig, ax, plot, metrics)
         ax.set_xlim(0, max(last_step, 1))
-        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))  # steps are whole
+        ax.xaxis.set_major_locator(  # whole steps
+            plt.MaxNLocator(nbins=STEP_TICKS, integer=True))
         _marks(ax, marks, labelled=True)
         if i < columns:
             _tokens_axis(ax, metrics.series.get("consumed_tokens"))
     for ax in list(axes.flat)[count:]:
         ax.axis("off")
-    fig.suptitle(f"{figure.title} | {run_title}", fontsize=11)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    fig.suptitle(_wrapped(f"{figure.title} | {run_title}", 11, PANEL_INCHES[0] * columns - 0.4),
+                 fontsize=11)
+    return fig
+
+
+def draw(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_title: str,
+         last_step: int, path: Path) -> None:
+    """``figure`` as a PNG at ``path``."""
+    fig = render(plt, figure, metrics, marks, run_title, last_step)
+    try:
+        fig.savefig(path, dpi=DPI)
+    finally:
+        plt.close(fig)

@@ -10,7 +10,9 @@ gathers the continuation rows of the logits across tensor-parallel ranks and com
 pair's log-likelihood and whether it is the greedy continuation, exactly as the ``lm-eval``
 command does for a whole model; one all-reduce gives every rank every score, so lm-eval's own
 bookkeeping runs identically everywhere. Scores go to the console, metrics.jsonl and W&B as
-``downstream/<task>/<metric>`` on the training step axis.
+``downstream/<task>/<metric>`` on the training step axis, with a multiple-choice task's
+``chance``: the accuracy of a uniform guess over the documents scored, the level its scores
+are read against.
 
 Training continues as if nothing happened: the model is in eval mode (no dropout) and back in
 train mode after, no gradient is touched, and every random generator is saved before and
@@ -152,6 +154,7 @@ class Downstream:
                               f"{', '.join(unknown)}: not in lm-eval's registry{where}")
         self.tasks = load_tasks(self.manager, ev.downstream_tasks, SCORED_TYPES,
                                 "eval.include_path")
+        self.chance = chance_levels(self.tasks, ev.downstream_limit or None)
 
     def due(self, step: int, last: bool) -> bool:
         interval = self.config.eval.downstream_interval
@@ -176,9 +179,34 @@ class Downstream:
             for chunk in chunks:
                 chunk.train()
             set_rng_state(settable_rng_state(saved))
-        return {f"downstream/{key}": value
-                for key, value in scores(finite(out["results"])).items()
-                if value is not None and not key.endswith("/sample_len")}
+        found = {f"downstream/{key}": value
+                 for key, value in scores(finite(out["results"])).items()
+                 if value is not None and not key.endswith("/sample_len")}
+        return found | {f"downstream/{task}/chance": level
+                        for task, level in self.chance.items()}
+
+
+def _leaves(items) -> list:
+    """The tasks of :func:`load_tasks`'s list, groups ({group: [members]}) opened."""
+    if isinstance(items, dict):
+        return [task for members in items.values() for task in _leaves(members)]
+    if isinstance(items, list | tuple):
+        return [task for item in items for task in _leaves(item)]
+    return [items]
+
+
+def chance_levels(tasks: list, limit: int | None) -> dict[str, float]:
+    """Per multiple-choice task, the mean of 1 / (number of choices) over the documents
+    scored (the first ``limit``, as lm-eval takes them): what guessing scores in ``acc``."""
+    levels = {}
+    for task in _leaves(tasks):
+        if getattr(task, "OUTPUT_TYPE", None) != "multiple_choice":
+            continue
+        docs = list(task.eval_docs)[:limit]
+        counts = [len(task.doc_to_choice(doc)) for doc in docs]
+        if counts and all(counts):
+            levels[task.config.task] = sum(1 / n for n in counts) / len(counts)
+    return levels
 
 
 @contextlib.contextmanager

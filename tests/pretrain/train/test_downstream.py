@@ -3,6 +3,7 @@ local lm-eval task (tests/fixtures/tasks) as the ``lm-eval`` command scores its 
 under any layout, without changing a single training loss."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from model.builder import build_model, wrap_ddp
 from pretrain.config import Config, DataConfig, RunConfig
-from pretrain.train.downstream import LiveLM, _sequence
+from pretrain.train.downstream import LiveLM, _sequence, chance_levels
 from pretrain.unsharded.lm_eval import FrameworkLM
 from tests.helpers import tiny_model
 from tests.pretrain_fixtures import cli, metrics, train_args, train_losses, val_losses
@@ -30,6 +31,31 @@ def test_a_pair_becomes_a_right_padded_sequence_scored_on_its_continuation():
     assert mask == [0, 0, 1, 1, 0, 0]
     tokens, labels, mask = _sequence(list(range(1, 10)), [10, 11], seq_length=4, pad=0)
     assert (tokens, labels, mask) == ([7, 8, 9, 10], [8, 9, 10, 11], [0, 0, 1, 1])
+
+
+def _task(name: str, kind: str, choices: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(OUTPUT_TYPE=kind, config=SimpleNamespace(task=name),
+                           eval_docs=[{"n": n} for n in choices],
+                           doc_to_choice=lambda doc: ["a choice"] * doc["n"])
+
+
+def test_the_chance_level_is_a_uniform_guess_over_the_documents_scored():
+    """The mean of 1/choices, over the first ``limit`` documents as lm-eval takes them; a
+    group's members each; no level for a task that is not multiple-choice."""
+    mixed = _task("mixed", "multiple_choice", [2, 4, 4])
+    group = {"a group": [_task("pair", "multiple_choice", [2, 2]),
+                         _task("perplexity", "loglikelihood_rolling", [1])]}
+    assert chance_levels([mixed, group], None) == pytest.approx(
+        {"mixed": (1 / 2 + 1 / 4 + 1 / 4) / 3, "pair": 0.5})
+    assert chance_levels([mixed], 1) == {"mixed": 0.5}
+    from lm_eval.tasks import TaskManager
+
+    from pretrain.unsharded.lm_eval import load_tasks
+
+    docs = [json.loads(line) for line in Path(TASKS, "tiny_choice.jsonl").read_text().splitlines()]
+    tasks = load_tasks(TaskManager(include_path=TASKS), ["tiny_choice"])
+    assert chance_levels(tasks, None) == pytest.approx(
+        {"tiny_choice": sum(1 / len(d["choices"]) for d in docs) / len(docs)})
 
 
 def test_the_live_model_scores_pairs_as_the_whole_model_does(single_rank):
@@ -75,6 +101,8 @@ def scored(data, tmp_path_factory):
 def test_scores_are_logged_and_training_is_untouched(scored):
     plain, run, stderr = scored
     assert sorted(_scores(run)) == [2, 4]
+    assert {r.get("downstream/tiny_choice/chance") for r in metrics(run)
+            if "downstream/tiny_choice/acc" in r} == {pytest.approx(1 / 3)}  # 3 choices each
     assert "downstream at step 2: tiny_choice/acc " in stderr
     assert "Tokenizing inputs" not in stderr  # lm-eval's bars stay off a training console
     assert train_losses(run) == train_losses(plain)  # every step, exactly
