@@ -18,6 +18,7 @@ Either way the vocabulary padding is dropped, weights go to ``safetensors`` (sha
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -194,10 +195,30 @@ def save_sharded(tensors: dict[str, torch.Tensor], output: Path) -> None:
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
+def remote_schemes() -> tuple[str, ...]:
+    """The schemes the remote code builds: ``SCHEMES`` of its configuration file, read from the
+    file (importing it needs ``transformers``, which writing a folder does not)."""
+    tree = ast.parse((REMOTE_CODE / "configuration_siamesenorm.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "SCHEMES"
+                                                for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise RuntimeError("pretrain/hf/remote/configuration_siamesenorm.py defines no SCHEMES")
+
+
+def require_exportable(model: ModelConfig) -> None:
+    """A one-line error for a scheme the remote code cannot build (a Llama needs none)."""
+    scheme = model.residual_scheme.value
+    if not hf_llama.is_llama(model) and scheme not in remote_schemes():
+        raise ConfigError(f"export-hf: model.residual_scheme ({scheme}) has no Hugging Face "
+                          f"remote code; it builds {', '.join(remote_schemes())}")
+
+
 def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str,
                  tokenizer: Tokenizer, output: Path) -> int:
     """Write the Hugging Face folder of the unsharded ``chunk`` into the empty ``output``;
     returns how many tensors it holds."""
+    require_exportable(model)
     while hasattr(chunk, "module"):  # DDP / Float16Module wrappers
         chunk = chunk.module
     tensors = remote_tensors(global_tensors(chunk), model)
@@ -227,6 +248,7 @@ def export_hf(config: Config, checkpoint: str, output: str) -> dict:
                           "choose a new folder")
     require_writable(output, "export-hf --output")
     single_process(config, "export-hf")
+    require_exportable(config.model)
     chunk, tokenizer, found = load_whole(config, checkpoint)
     # written beside the target and renamed into place: an export that stops (Ctrl-C, a full
     # disk) leaves no folder that looks complete

@@ -35,6 +35,7 @@ from pretrain.hf.export import write_folder
 from pretrain.hf.remote.configuration_siamesenorm import SCHEMES as REMOTE_SCHEMES
 from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
 from pretrain.unsharded.generate import Sampling, continue_tokens
+from runtime.errors import ConfigError
 from tests.helpers import tiny_model
 from tests.hf_side import isolated, transformers_side
 
@@ -71,7 +72,16 @@ def test_every_registered_scheme_is_exported_and_tested():
     new scheme fails this until its block is written and checked against its layer."""
     registered = {scheme.value for scheme in ResidualScheme}
     assert set(REMOTE_SCHEMES) == registered
+    assert hf_export.remote_schemes() == REMOTE_SCHEMES  # what the export reads
     assert {scheme for scheme, _ in CASES.values()} == registered
+
+
+def test_export_refuses_a_scheme_without_remote_code(monkeypatch):
+    monkeypatch.setattr(hf_export, "remote_schemes", lambda: ("pre", "siamese"))
+    with pytest.raises(ConfigError, match=r"model.residual_scheme \(olmo2\) has no Hugging"):
+        hf_export.require_exportable(tiny_model("olmo2"))
+    hf_export.require_exportable(tiny_model("siamese"))
+    hf_export.require_exportable(tiny_model("pre"))  # a Llama needs no remote code
 
 
 def test_remote_code_refuses_a_scheme_it_does_not_know():
