@@ -84,21 +84,25 @@ def test_same_seed_same_model_other_seed_other_model(single_rank):
                            c["decoder.layers.0.self_attention.linear_qkv.weight"])
 
 
+@pytest.mark.parametrize("scheme", ["pre", "olmo2"])
 @pytest.mark.parametrize("method", ["normal", "full_megatron"])
-def test_init_distributions(single_rank, method):
-    """std per weight kind, megatron's depth scaling of output projections, the output layer
-    rule, and full_megatron's truncation at 3 std (a normal draw this size passes 3 std)."""
-    cfg = tiny_model("pre", hidden_size=64, num_attention_heads=4, num_query_groups=4,
+def test_init_distributions(single_rank, method, scheme):
+    """std per weight kind, megatron's depth scaling of output projections (none for OLMo 2,
+    which draws every weight at one std), the output layer rule, and full_megatron's
+    truncation at 3 std (a normal draw this size passes 3 std)."""
+    cfg = tiny_model(scheme, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                      ffn_hidden_size=256, vocab_size=4096, num_layers=8, init=method,
                      init_method_std=0.05)
     params = dict(build_model(cfg, PAR, seed=3)[0].named_parameters())
     std = cfg.init_method_std
     output_std = 64 ** -0.5 if method == "full_megatron" else std
+    branch_out_std = std if scheme == "olmo2" else std / math.sqrt(2 * cfg.num_layers)
     wanted = {"embedding.word_embeddings.weight": std,
               "output_layer.weight": output_std,
               "decoder.layers.0.self_attention.linear_qkv.weight": std,
               "decoder.layers.0.mlp.linear_fc1.weight": std,
-              "decoder.layers.0.mlp.linear_fc2.weight": std / math.sqrt(2 * cfg.num_layers)}
+              "decoder.layers.0.self_attention.linear_proj.weight": branch_out_std,
+              "decoder.layers.0.mlp.linear_fc2.weight": branch_out_std}
     for key, sigma in wanted.items():
         values = params[key].detach().double()
         truncated = method == "full_megatron"
