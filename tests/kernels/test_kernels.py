@@ -6,6 +6,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from kernels.backend import NormBackend
 from kernels.norms import Norm
+from model.schemes import ResidualScheme
 from runtime import cpu_compat
 
 
@@ -79,7 +80,7 @@ class _StandInTENorm(Norm):
     """Takes the place of megatron's TENorm, which cannot be imported without CUDA."""
 
 
-@pytest.mark.parametrize("scheme", ["pre", "post", "siamese", "siamese_hybrid", "hybridnorm"])
+@pytest.mark.parametrize("scheme", [s.value for s in ResidualScheme])
 def test_te_backend_puts_te_norms_everywhere_in_the_spec(single_rank, monkeypatch, scheme):
     """Under ``kernels.norm_backend = te`` every norm the model holds is TE's."""
     from model import spec

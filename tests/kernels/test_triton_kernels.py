@@ -28,6 +28,7 @@ from model.config import ParallelConfig
 from model.layers.merge import StreamMergeNorm
 from model.layers.siamese_hybrid import ChannelGate
 from model.layers.two_stream import SublayerNorms, packed_update
+from model.schemes import ResidualScheme
 from runtime.errors import ConfigError
 from tests import bf16_parity
 from tests.helpers import tiny_model
@@ -720,3 +721,19 @@ def test_gpu_bf16_parity_fails_for_an_entry_kernel_one_percent_off(single_rank, 
     print(f"\nbroken backward: {parity.summary('fused', 'torch')}")
     assert parity.discriminates(), parity.trained
     assert parity.only_candidate_violates("fused", "torch")
+
+
+@pytest.mark.parametrize("scheme", [s.value for s in ResidualScheme])
+def test_every_scheme_same_loss_and_grads_with_triton(single_rank, device, scheme):
+    """Every registered scheme built with the triton norms (Q/K head norms on strided views of
+    the projection included) computes the torch-built model's loss and gradients, fp32.
+    Hyper-connection weights (a few numbers each, their gradients sums over every token,
+    stream and feature with heavy cancellation) get 5e-4, as in test_equations.py."""
+    cfg = tiny_model(scheme, num_layers=2)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    (loss_t, grads_t, _), (loss_f, grads_f, _) = _torch_and_triton(
+        cfg, tokens.to(device), collections.Counter())
+    assert rel_err(loss_f, loss_t) <= 1e-6
+    for name, grad in grads_t.items():
+        bound = 5e-4 if "_hc." in name else 1e-5
+        assert rel_err(grads_f[name], grad) <= bound, name
