@@ -18,6 +18,7 @@ channel gate stays fp32. The KV cache holds keys and values only: every other qu
 token, so cached generation computes exactly what a full forward does.
 """
 
+import dataclasses
 import inspect
 import math
 
@@ -32,6 +33,11 @@ from .configuration_siamesenorm import SiameseNormConfig
 
 # DynamicCache takes the model config (for per-layer cache types) since transformers 5.0
 CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+
+# The output's cache field: ``past_key_values`` until transformers 5.24 renamed it ``cache``
+# (the old name still works there, with a deprecation warning at every load).
+CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(
+    CausalLMOutputWithPast)} else "past_key_values"
 
 # Arguments transformers may pass that leave the logits as they are: ``cache_position``
 # restates the cache length, which the cache itself knows; the others are switched off.
@@ -573,6 +579,5 @@ class SiameseNormForCausalLM(SiameseNormPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
                                    labels[:, 1:].flatten(), ignore_index=-100)
-        # past_key_values= is the field's name before 5.24 and an accepted alias since
-        output = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
         return output if return_dict is not False else output.to_tuple()
