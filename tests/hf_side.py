@@ -13,22 +13,28 @@ KV cache and without (the model re-reading the whole prefix every step):
   / ``alone`` tokens and ``padded_step_rel``;
 - ``bf16_gates`` / ``bf16_rest``: the dtypes of the channel-gate weights and of every other
   weight when the folder is loaded in bf16;
+- ``tokenizer``: where the folder has a tokenizer.json, the ids of :data:`TEXT` by
+  ``AutoTokenizer`` (with ``trust_remote_code=True``, as the folder's README says) and by
+  ``PreTrainedTokenizerFast`` (no remote code at all), and their classes;
 
-and which modules of this project got imported (there must be none).
+which modules of this project got imported (there must be none), and every warning
+transformers logged (``warnings``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 PAD = 3
+TEXT = "In the beginning God created the heaven and the earth.\n  Two spaces."
 
 
 def isolated(python: str, args: list[str], workdir: Path, **env) -> subprocess.CompletedProcess:
@@ -36,7 +42,7 @@ def isolated(python: str, args: list[str], workdir: Path, **env) -> subprocess.C
     its sys.path, so it imports only what its venv holds; remote code is cached in
     ``workdir``."""
     return subprocess.run([python, "-I", *args], cwd=workdir, capture_output=True, text=True,
-                          timeout=900, env={**os.environ,
+                          stdin=subprocess.DEVNULL, timeout=900, env={**os.environ,
                                             "HF_MODULES_CACHE": str(workdir / "hf_modules"),
                                             **env})
 
@@ -93,15 +99,38 @@ def _check(folder: str, tokens, steps: int) -> dict:
             "step_rel": _rel(cached_logits, plain_logits),
             "padded_rows": rows.tolist(), "padded_nocache_rows": rows_plain.tolist(),
             "padded_step_rel": _rel(rows_logits, rows_plain_logits),
-            "alone": alone[0].tolist()}
+            "alone": alone[0].tolist(), "tokenizer": _tokenizer(folder)}
+
+
+def _tokenizer(folder: str) -> dict | None:
+    if not (Path(folder) / "tokenizer.json").is_file():
+        return None
+    auto = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    fast = PreTrainedTokenizerFast.from_pretrained(folder)
+    return {"auto": auto(TEXT)["input_ids"], "fast": fast(TEXT)["input_ids"],
+            "classes": [type(auto).__name__, type(fast).__name__]}
+
+
+class _Collected(logging.Handler):
+    """Every record of transformers' loggers at WARNING and above."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def main(folders: str, tokens: str, steps: str):
     import transformers
 
+    collected = _Collected()
+    logging.getLogger("transformers").addHandler(collected)
     batch = torch.tensor(json.loads(tokens))
     out = {name: _check(folder, batch, int(steps))
            for name, folder in json.loads(folders).items()}
+    out["warnings"] = collected.messages
     out["modules"] = sorted(m for m in sys.modules
                             if m.split(".")[0] in ("model", "pretrain", "kernels", "runtime"))
     out["transformers"] = transformers.__version__

@@ -13,7 +13,8 @@ every tensor is assembled under its global name (:func:`global_tensors`). Then:
 
 Either way the vocabulary padding is dropped, weights go to ``safetensors`` (shards of at most
 ``SHARD_BYTES`` with an index, as ``transformers`` writes them), next to ``config.json``,
-``generation_config.json`` and the tokenizer (``pretrain.hf.tokenizer_export``).
+``generation_config.json``, the tokenizer (``pretrain.hf.tokenizer_export``) and a README.md
+saying how to load them (``pretrain.hf.readme``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from model.init import local_tensors
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
+from pretrain.hf.readme import write_readme
 from pretrain.hf.tokenizer_export import write_tokenizer
 from pretrain.paths import require_writable
 from pretrain.unsharded.whole_model import load_whole, single_process
@@ -237,6 +239,7 @@ def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str
         {"eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad
          if tokenizer.pad >= 0 else None}, indent=2))
     write_tokenizer(tokenizer_path, tokenizer, output)
+    write_readme(model.residual_scheme.value, hf_llama.is_llama(model), output)
     return len(tensors)
 
 

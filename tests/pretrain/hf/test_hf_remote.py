@@ -176,6 +176,26 @@ def test_the_fresh_process_imported_nothing_of_this_project(exported):
     assert exported[1]["modules"] == []
 
 
+def test_transformers_logs_no_warning_on_any_folder(exported):
+    """Loading, generating with and without the cache, and loading the tokenizer: nothing for
+    a user to wonder about (a deprecated cache name, a config class it cannot match)."""
+    assert exported[1]["warnings"] == []
+
+
+def test_the_exported_tokenizer_loads_as_the_readme_says(exported, data):
+    """``AutoTokenizer`` with ``trust_remote_code=True`` (without it transformers >= 5 reads
+    the model's config first, which is remote code) and ``PreTrainedTokenizerFast`` with no
+    remote code give sentencepiece's ids."""
+    from tests.hf_side import TEXT
+
+    want = open_tokenizer(data["tokenizer"]).encode(TEXT)
+    seen = {name: result["tokenizer"] for name, result in exported[1].items()
+            if isinstance(result, dict) and "tokenizer" in result}
+    assert seen.keys() == {*CASES, "control"}
+    for name, tokenizer in seen.items():
+        assert tokenizer["auto"] == want and tokenizer["fast"] == want, name
+
+
 def test_a_wrong_config_gives_other_logits(exported):
     """The comparison can fail: the same weights read with c_l = 1 differ."""
     ours, theirs, _ = exported
@@ -188,8 +208,8 @@ def test_folders_hold_the_files_transformers_reads(exported):
     remote = sorted(p.name for p in folders["siamese_hybrid"].iterdir())
     common = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
               "tokenizer.model", "tokenizer_config.json"]
-    assert llama == common
-    assert remote == sorted([*common, "configuration_siamesenorm.py",
+    assert llama == sorted([*common, "README.md"])
+    assert remote == sorted([*common, "README.md", "configuration_siamesenorm.py",
                              "modeling_siamesenorm.py"])
     config = json.loads((folders["hc"] / "config.json").read_text())
     assert config["residual_scheme"] == "hc" and config["hc_rate"] == 4

@@ -1,0 +1,79 @@
+"""README.md of an exported Hugging Face folder: how to load what is in it.
+
+A folder travels without these docs, so it says itself what its reader needs: whether the
+model is remote code (``trust_remote_code=True``) or a native Llama, and how the tokenizer
+loads. The tokenizer is a standard class (``PreTrainedTokenizerFast`` over tokenizer.json),
+but ``AutoTokenizer`` in transformers >= 5 reads the model's config.json before the
+tokenizer's files, and a remote-code config makes it ask whether to run the folder's code;
+the README gives both ways that load it without the question.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def lm_eval_args(folder: str, llama: bool) -> str:
+    """``--model_args`` of ``lm_eval --model hf`` for the folder: remote code trusted, and the
+    model said to be causal (lm-eval guesses that from transformers' own model types, which
+    do not list a remote-code one)."""
+    return f"pretrained={folder}" if llama else \
+        f"pretrained={folder},trust_remote_code=True,backend=causal"
+
+
+def readme(scheme: str, llama: bool, files: set[str]) -> str:
+    """The README text of a folder of a ``scheme`` model holding ``files``."""
+    remote = "" if llama else ", trust_remote_code=True"
+    kind = ("a native Llama: transformers builds it without any code from this folder"
+            if llama else
+            "remote code: `configuration_siamesenorm.py` and `modeling_siamesenorm.py` in "
+            "this folder, importing only torch and transformers")
+    lines = [
+        f"# A `{scheme}` language model",
+        "",
+        f"Exported by SiameseNorm pretraining's `export-hf`. The model is {kind}. "
+        "`FOLDER` below is this folder's path.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM"
+        + (", AutoTokenizer" if "tokenizer.json" in files else ""),
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("FOLDER"{remote})',
+    ]
+    if "tokenizer.json" in files:
+        lines += [f'tokenizer = AutoTokenizer.from_pretrained("FOLDER"{remote})', "```", ""]
+        if not llama:
+            lines += [
+                "The tokenizer is no code: `tokenizer.json`, which the standard "
+                "`PreTrainedTokenizerFast` reads. But `AutoTokenizer` (transformers >= 5) "
+                "reads the model's config.json first, and that config is remote code: "
+                "without `trust_remote_code=True` it asks whether to run it. To load the "
+                "tokenizer with no remote code at all:",
+                "",
+                "```python",
+                "from transformers import PreTrainedTokenizerFast",
+                "",
+                'tokenizer = PreTrainedTokenizerFast.from_pretrained("FOLDER")',
+                "```",
+                "",
+            ]
+    else:
+        lines += ["```", "",
+                  "The tokenizer is `tokenizer.model`, a sentencepiece model (not converted to "
+                  "tokenizer.json): load it with `sentencepiece.SentencePieceProcessor`.", ""]
+    lines += [
+        "lm-evaluation-harness scores it with its Hugging Face backend (which needs "
+        "`accelerate`):",
+        "",
+        "```bash",
+        f"lm_eval --model hf --model_args {lm_eval_args('FOLDER', llama)} --tasks hellaswag",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_readme(scheme: str, llama: bool, output: Path) -> None:
+    """README.md into the folder ``output``, after every other file is written."""
+    files = {p.name for p in output.iterdir()}
+    (output / "README.md").write_text(readme(scheme, llama, files))
