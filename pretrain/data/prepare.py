@@ -11,7 +11,9 @@ made it and its token-id range, so a start checks both without reading the corpu
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -44,7 +46,10 @@ _worker_tokenizer: Tokenizer | None = None
 
 
 def _init_worker(model_file: str) -> None:
-    """Load the tokenizer once per process rather than once per document."""
+    """Load the tokenizer once per process rather than once per document, and leave Ctrl-C to
+    the parent: a terminal sends SIGINT to the whole process group, and a worker interrupted
+    mid-task prints its own traceback; the parent stops in one line and terminates the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     global _worker_tokenizer
     _worker_tokenizer = open_tokenizer(model_file)
 
@@ -139,7 +144,10 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
     tmp_bin, tmp_idx = (Path(f"{p}.tmp{os.getpid()}") for p in (bin_path, idx_path))
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-        written = _write(builder, _encoded(inputs, tokenizer, workers, text_field))
+        # closed on any exit, Ctrl-C included: the pool is terminated before the error line,
+        # not at interpreter shutdown, where its threads print errors of their own
+        with contextlib.closing(_encoded(inputs, tokenizer, workers, text_field)) as chunks:
+            written = _write(builder, chunks)
         builder.finalize(str(tmp_idx))
         for tmp, final in ((tmp_bin, bin_path), (tmp_idx, idx_path)):
             if final.exists():  # appeared while we worked: still never overwrite it
