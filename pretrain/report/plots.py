@@ -189,7 +189,7 @@ def _clip(ax, body: tuple[float, float], curves: list[Curve], metrics: RunMetric
     """The y axis over ``body`` alone; every value beyond it a marker on the edge it lies
     past, one legend entry per edge with the count and the extreme value."""
     low, high = body
-    if log:
+    if log and low > 0:
         ax.set_ylim(low / 1.25, high * 1.25)
     else:
         pad = 0.05 * (high - low) or 0.05 * abs(high) or 1.0
