@@ -107,8 +107,9 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       more, s bytes per token, not counted here).
 
     That is pre, post, deepnorm, mixln and olmo2 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f,
-    periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f (2f less each
-    with the activation fusion).
+    periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f, hc
+    (4n + 9)h + 3kv + 5f dynamic and (2n + 9)h + 3kv + 5f static (2f less each with the
+    activation fusion).
     The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
     (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
     with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the

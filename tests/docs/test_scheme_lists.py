@@ -62,3 +62,21 @@ def test_preset_count_and_scheme_list_in_parallelism_doc():
     names = [n.strip(" `") for n in found.group(1).split(",")]
     assert names == REGISTERED
     assert (int(found.group(2)), int(found.group(3))) == (len(presets), per_scheme)
+
+
+@pytest.mark.parametrize("where", ["dry-run docstring", "docs/memory.md"])
+def test_per_layer_memory_summaries_name_every_scheme(where):
+    """The sentences that give each scheme's per-layer bytes (``That is pre, post, ... 7h +
+    3kv + 5f, ...``) name every registered scheme."""
+    from pretrain.report.dry_run import activation_bytes
+
+    if where == "docs/memory.md":
+        text = (ROOT / "docs" / "memory.md").read_text()
+        start = text.index("So pre, post")
+    else:
+        text = activation_bytes.__doc__
+        start = text.index("That is pre, post")
+    sentence = text[start:text.index(" per layer" if where == "docs/memory.md" else "(2f less",
+                                     start)]
+    named = set(re.findall(r"\b[a-z][a-z0-9_]*\b", sentence)) & set(REGISTERED)
+    assert named == set(REGISTERED), sorted(set(REGISTERED) - named)
