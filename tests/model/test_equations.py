@@ -187,6 +187,8 @@ class Reference:
             f = "decoder.final_layernorm"
             h = self.norm(self.norm(x, f"{f}.x_norm") + self.norm(y, f"{f}.y_norm"),
                           f"{f}.final_norm")
+        elif scheme not in ("post", "deepnorm"):  # they end every block in a norm already
+            raise NotImplementedError(f"no decoder end transcribed for scheme {scheme}")
         return h @ self.p["output_layer.weight"].T
 
 
