@@ -81,15 +81,17 @@ class Mark:
         return self._wall - earlier._wall
 
 
-def time_ms(fn: Callable[[], object], rounds: int) -> float:
+def time_ms(fn: Callable[[], object], rounds: int, warm: bool = True) -> float:
     """Time of one call of ``fn`` in ms, the median over ``rounds``: on a GPU each round is
     ``triton.testing.do_bench``'s median (GPU time, many launches, warm-up included); on the
-    CPU the wall time of one call after one warm-up call."""
+    CPU the wall time of one call, after one warm-up call unless ``warm`` is False (the
+    caller warmed it)."""
     if torch.cuda.is_available():
         from triton.testing import do_bench
 
         return statistics.median(do_bench(fn, return_mode="median") for _ in range(rounds))
-    fn()
+    if warm:
+        fn()
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()

@@ -38,7 +38,7 @@ SHAPES = {"demo (6 x 128, seq 128, mb 16)": dict(num_layers=6, hidden_size=128, 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--doc-length", type=int, default=256,
                    help="mean document length in tokens (lengths drawn uniformly in [1, 2x])")
     p.add_argument("--seqs", default="512,2048", help="sequence lengths of the attention table")
@@ -87,8 +87,8 @@ def attention_row(args, seq: int) -> list[str]:
                 start += n
         total.backward()
 
-    times = {name: time_ms(fn, args.rounds) for name, fn in
-             (("causal", causal), ("mask", masked), ("per document", per_document))}
+    times = interleaved({"causal": causal, "mask": masked, "per document": per_document},
+                        args.rounds)
     docs = sum(map(len, per_row)) / len(per_row)
     return [str(seq), f"{docs:.1f}", *(f"{t:.2f}" for t in times.values()),
             f"{times['mask'] / times['causal']:.2f}",
@@ -131,9 +131,20 @@ def step(args, shape: dict, documents: bool):
             saved_bytes(chunks[0].module, data) / 2**20)
 
 
+def interleaved(calls: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each call, timed in turn round after round (after two warm-up calls
+    each), so drift on a shared machine hits all alike."""
+    for call in calls.values():
+        call(), call()
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            samples[name].append(time_ms(call, 1, warm=False))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def step_rows(args) -> list[list[str]]:
-    """Off and on built side by side and timed in alternation (one warm-up call each), so
-    drift on a shared machine hits both alike; medians over ``--rounds``."""
+    """Off and on built side by side and timed in alternation (:func:`interleaved`)."""
     from model.config import ParallelConfig
     from runtime import cpu_compat, parallel
 
@@ -142,12 +153,8 @@ def step_rows(args) -> list[list[str]]:
         parallel.initialize(ParallelConfig(), seed=0)
         for label, shape in SHAPES.items():
             (off, off_mib), (on, on_mib) = step(args, shape, False), step(args, shape, True)
-            off(), on()
-            times = {"off": [], "on": []}
-            for _ in range(args.rounds):
-                times["off"].append(time_ms(off, 1))
-                times["on"].append(time_ms(on, 1))
-            off_ms, on_ms = (statistics.median(times[k]) for k in ("off", "on"))
+            times = interleaved({"off": off, "on": on}, args.rounds)
+            off_ms, on_ms = times["off"], times["on"]
             rows.append([label, f"{off_ms:.1f}", f"{off_mib:.1f}", f"{on_ms:.1f}",
                          f"{on_mib:.1f}", f"{on_ms / off_ms:.2f}", f"{on_mib / off_mib:.2f}"])
         parallel.destroy()

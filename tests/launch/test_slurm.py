@@ -92,7 +92,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster, data, r
     # What slurm does at --signal=B:USR1@N before the time limit, delivered now.
     cluster.run("scancel", "--batch", "--signal=USR1", cluster.job_id("preempted"))
     text = _finish(proc, log)
-    stopped = re.search(r"stopped by signal after step (\d+)", text)
+    stopped = re.search(r"stopped by SIGUSR1 after step (\d+)", text)
     assert stopped and int(stopped.group(1)) < STEPS, text[-3000:]
     assert "checkpoint saved (srun status 0); requeueing" in text, text[-3000:]
     assert "(restart 1)" in text, "the requeued job did not start again"

@@ -127,9 +127,9 @@ CASES = {
                                       "--tokenizer", c["data"]["tokenizer"],
                                       "--output", str(c["root"] / "n")],
                            ["notext.jsonl", "line 2", "\"text\""]),
-    "data ids beyond vocabulary": (
+    "data of another tokenizer": (
         lambda c: _train(c, f"--data.tokenizer={c['root'] / 'data' / 'small.model'}"),
-        [c_ for c_ in ("has token id", ">= tokenizer vocab_size 400")]),
+        ["was made with another tokenizer", "small.model' #", "(400 pieces)"]),
     "model vocab below tokenizer": (lambda c: _train(c, "--model.vocab_size=256"),
                                     ["model.vocab_size (256)", "(512"]),
     "sequence longer than model": (lambda c: _train(c, "--data.seq_length=64"),
@@ -298,7 +298,7 @@ EARLY_CASES = {
         ["data.valid_sets 'wiki': data file", "wiki.bin' does not exist"]),
     "further validation set of another tokenizer": (
         lambda c: _train(c, *_small_tokenizer(c), f"--data.valid_sets=big={c['data']['prefix']}"),
-        ["data.valid_sets 'big'", "has token id", ">= tokenizer vocab_size 400"]),
+        ["data.valid_sets 'big'", "was made with another tokenizer", "(400 pieces)"]),
     "further validation set larger than its data": (
         lambda c: _train(c, _part_set(c, ":8000")),
         ["data.valid_sets 'part' asks", "part' for 8000 validation sequences of 32 tokens",
