@@ -37,11 +37,16 @@ TRAIN_STEPS = 5
 # fp32 on gloo, the same weights and tokens; only the order of sums differs between layouts
 # (TP splits the hidden and vocabulary reductions, DP the batch mean). Measured (2-core CPU,
 # torch 2.13, 2026-11-25): loss <= 3.4e-8 relative, gradients <= 1.1e-6 of each tensor's
-# largest entry (8.6e-6 for hc, whose stream mixing adds reductions; 0 under PP alone). The
-# bounds leave ~30x and ~6x of room; a layout that drops or duplicates one micro-batch, or
-# routes one norm weight wrongly, misses by orders of magnitude more.
+# largest entry (0 under PP alone). The bounds leave ~30x and ~40x of room; a layout that
+# drops or duplicates one micro-batch, or routes one norm weight wrongly, misses by orders of
+# magnitude more. hc is the exception: the gradient of its stream weights
+# (decoder.layers.3.mlp_hc.output at TP=2) is a sum over tokens and streams that cancels to
+# a small value, and its rounding under TP depends on the instruction set torch's CPU kernels
+# take: 1.1e-4 of its largest entry with AVX-512, 3.4e-5 with AVX2, 4.0e-5 with none
+# (2026-11-26; 8.6e-6 on the machine of 2026-11-25), so hc gets 5e-4.
 LOSS_BOUND = 1e-6
 GRAD_BOUND = 5e-5
+GRAD_BOUNDS = {"hc": 5e-4}
 WORLD = {"tp2": 2, "tp2-sp": 2, "pp2": 2, "pp2-vp2": 2, "tp2-pp2": 4, "dp2": 2}
 
 
@@ -181,9 +186,10 @@ def check_layout(reference, layout: str, schemes: list[str], tmp_path,
         grads = read_grads(str(work / scheme))
         assert grads.keys() == ref_grads.keys()
         worst = 0.0
+        bound = GRAD_BOUNDS.get(scheme, GRAD_BOUND)
         for name, grad in grads.items():
             scale = ref_grads[name].abs().max().clamp_min(1e-12)
             err = ((grad - ref_grads[name]).abs().max() / scale).item()
-            assert err <= GRAD_BOUND, (scheme, layout, name, err)
+            assert err <= bound, (scheme, layout, name, err)
             worst = max(worst, err)
         print(f"\n{layout} {scheme}: loss rel err {loss_err:.1e}, max grad rel err {worst:.1e}")
