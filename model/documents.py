@@ -11,8 +11,9 @@ integer tensor of shape [b, 1, 1, s]. megatron hands ``attention_mask`` through 
 layers, recomputation (as a saved tensor) and into the core attention untouched, and every
 pipeline stage reads it from its own copy of the micro-batch, so TP, SP, PP and recompute need
 nothing more. Nothing of size s x s exists until a core attention asks for it: each backend
-turns the ids into what its kernel takes (:func:`keep_mask`, the exact boolean mask; a flex
-attention block mask on CUDA, built per micro-batch from the ids in O(s^2 / 128^2)).
+turns the ids into what its kernel takes (:func:`spans`, each document's positions, for one
+causal call per document; :func:`keep_mask`, the exact boolean mask; a flex attention block
+mask on CUDA, built per micro-batch from the ids in O(s^2 / 128^2)).
 megatron's own masks are boolean (True = masked), so a backend tells the two forms apart by
 :func:`is_document_ids`.
 """
@@ -75,6 +76,23 @@ def _keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     queries = ids[:, None, sk - sq:sk, None]
     causal = torch.ones(sq, sk, dtype=torch.bool, device=ids.device).tril(diagonal=sk - sq)
     return (queries == keys) & causal
+
+
+def spans(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) positions of each document, made once per micro-batch (read
+    on the host: for the CPU's one-call-per-document path)."""
+    return _once_per_mask("spans", mask, (), lambda: _spans(mask))
+
+
+def _spans(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+    ids = _ids(mask)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    out = []
+    for row in starts.cpu():
+        first = row.nonzero().flatten().tolist()
+        out.append(list(zip(first, [*first[1:], len(row)], strict=True)))
+    return out
 
 
 def flex_block_mask(mask: torch.Tensor, sq: int, sk: int):

@@ -97,11 +97,18 @@ def test_document_ids_put_each_eod_in_the_document_it_ends():
     assert keep[6].tolist() == [False] * 6 + [True]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "local"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa-mask", "local"])
 @pytest.mark.parametrize("scheme", ["pre", "siamese", "siamese_hybrid", "hc"])
-def test_packed_documents_compute_what_each_computes_alone(single_rank, device, scheme,
-                                                           backend):
-    packed, packed_grads, alone, alone_grads = packed_and_alone(scheme, backend, device)
+def test_packed_documents_compute_what_each_computes_alone(single_rank, device, monkeypatch,
+                                                           scheme, backend):
+    """``sdpa``: one call per document (flex attention on CUDA); ``sdpa-mask``: SDPA with the
+    exact mask (the CPU's path for short sequences); ``local``: megatron's attention."""
+    if backend == "sdpa-mask" or not torch.cuda.is_available():
+        monkeypatch.setattr(SDPAttention, "document_kernel",
+                            DocumentKernel.MASK if backend == "sdpa-mask"
+                            else DocumentKernel.SPLIT)
+    packed, packed_grads, alone, alone_grads = packed_and_alone(
+        scheme, backend.removesuffix("-mask"), device)
     assert_oracle(packed, packed_grads, alone, alone_grads)
 
 
@@ -145,12 +152,12 @@ def test_packing_without_the_mask_or_the_positions_fails_the_oracle(single_rank,
     assert rel(packed_grads[name], alone_grads[name]) > 10 * GRAD_TOL
 
 
-def test_flex_attention_forward_matches_the_exact_mask(single_rank, device, monkeypatch):
-    """The CUDA path (flex attention from a block mask of the ids) against the exact mask, in
-    the forward pass: on the CPU flex attention runs uncompiled and has no backward
-    (forward and backward on the GPU: the test below)."""
+def test_every_document_kernel_gives_the_exact_masks_forward(single_rank, device, monkeypatch):
+    """The CUDA path (flex attention from a block mask of the ids) and the CPU's (one call per
+    document) against the exact mask, in the forward pass: on the CPU flex attention runs
+    uncompiled and has no backward (forward and backward on the GPU: the test below)."""
     logits = {}
-    for kernel in (DocumentKernel.MASK, DocumentKernel.FLEX):
+    for kernel in (DocumentKernel.MASK, DocumentKernel.FLEX, DocumentKernel.SPLIT):
         monkeypatch.setattr(SDPAttention, "document_kernel", kernel)
         torch.manual_seed(0)
         [model] = build_model(tiny_model("siamese", attention_backend="sdpa", seq_length=32),
@@ -162,8 +169,10 @@ def test_flex_attention_forward_matches_the_exact_mask(single_rank, device, monk
         with torch.no_grad():
             logits[kernel], _ = run(model, inputs, torch.cat([d[1:] for d in docs]),
                                     restarted_positions(), mask, device)
-        assert model.decoder.layers[0].self_attention.core_attention.documents == kernel
+        core = model.decoder.layers[0].self_attention.core_attention
+        assert core._document_kernel(len(inputs)) == kernel
     assert rel(logits[DocumentKernel.FLEX], logits[DocumentKernel.MASK]) <= TOL
+    assert rel(logits[DocumentKernel.SPLIT], logits[DocumentKernel.MASK]) <= TOL
 
 
 @pytest.mark.gpu
@@ -192,3 +201,15 @@ def test_gpu_flex_attention_matches_the_exact_mask_forward_and_backward(single_r
     bound = 1e-4 if dtype is torch.float32 else 2e-2
     for name, want in results[DocumentKernel.MASK].items():
         assert rel(results[DocumentKernel.FLEX][name], want) <= bound, name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's choice")
+def test_the_cpu_attends_one_document_at_a_time_from_split_from_tokens(single_rank):
+    """Below SPLIT_FROM the exact mask (the calls' own cost dominates), from it on one call
+    per document (bench.document_attention's measurements, model/sdpa_attention.py)."""
+    from model import sdpa_attention
+
+    [model] = build_model(tiny_model("pre", attention_backend="sdpa"), ParallelConfig())
+    core = model.decoder.layers[0].self_attention.core_attention
+    assert core._document_kernel(sdpa_attention.SPLIT_FROM - 1) == DocumentKernel.MASK
+    assert core._document_kernel(sdpa_attention.SPLIT_FROM) == DocumentKernel.SPLIT
