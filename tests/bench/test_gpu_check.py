@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -122,20 +121,14 @@ def test_the_check_rehearsed_on_the_cpu_runs_every_part(tmp_path):
     merged JSON and the page; every part up to the step table done, the gpu-marked tests
     collected (skipped without CUDA), the three schemes' steps with ratios to pre."""
     out = tmp_path / "out"
-
-    def rehearse() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--out",
-                               str(out), "--bundle", str(tmp_path / "no-bundle")], cwd=REPO,
-                              env=env(), capture_output=True, text=True, timeout=900)
-
-    done = rehearse()
-    if done.returncode < 0:
-        # Seen once (2026-11-26, 1 of 3 full rehearsals): the CPU process aborted with glibc's
-        # "double free or corruption" near its end, in native code, not reproduced since; a
-        # death by signal is retried once, and reported, rather than failing the suite.
-        warnings.warn(f"GPU check rehearsal died by signal {-done.returncode}; retried once: "
-                      f"{done.stderr.strip().splitlines()[-1:]}", stacklevel=1)
-        done = rehearse()
+    # With torch's AVX-512 CPU kernels the rehearsal's own process aborts in its step part
+    # (glibc: "double free or corruption", exit -6; seen 2026-11-26 under this test's
+    # environment, OMP_NUM_THREADS=1, not from a shell), in native code, not yet diagnosed;
+    # with the AVX2 kernels it runs through. The GPU run itself is not affected.
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--out",
+                           str(out), "--bundle", str(tmp_path / "no-bundle")], cwd=REPO,
+                          env=env(ATEN_CPU_CAPABILITY="avx2"), capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu-check.json").read_text())
     statuses = {name: p["status"] for name, p in result["parts"].items()}
