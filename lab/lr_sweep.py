@@ -9,8 +9,8 @@ many identical runs that differ in one knob, on the same data and token budget.
 
 A preset (TOML) names a base training config, overrides shared by every cell (``[train]``,
 dotted keys), and one or more ``[[grid]]`` tables; each grid is the cross product of its
-``schemes``, ``lrs``, ``warmup`` (steps) and ``layers`` lists, and the sweep runs the union of
-the grids (a cell named twice runs once). Extra ``--section.key=value`` arguments reach every
+``schemes`` (or ``"all"``: every registered scheme), ``lrs``, ``warmup`` (steps) and
+``layers`` lists, and the sweep runs the union of the grids (a cell named twice runs once). Extra ``--section.key=value`` arguments reach every
 cell. Before the first cell starts, every cell's config, tokenizer and data are checked as its
 trainer would check them: a mistake is one ``error:`` line naming the cell, exit 2, and no cell
 runs. Each cell is one ``python -m pretrain train`` process in ``<out>/cells/<name>``; a cell
@@ -126,11 +126,14 @@ def _grid_cells(where: str, grid: dict) -> list[Cell]:
     _check(not unknown, f"{label}: unknown key {unknown[0] if unknown else ''!r}; "
                         f"known keys: name, {', '.join(GRID_KEYS)}")
     _check(isinstance(name, str) and name, f"{label}: name must be a non-empty string")
+    schemes = [s.value for s in ResidualScheme]
+    if grid.get("schemes") == "all":  # every registered scheme, so a new one joins the sweep
+        grid = {**grid, "schemes": schemes}
     for key in GRID_KEYS:
         _check(key in grid, f"{label}: missing {key} (a list)")
         _check(isinstance(grid[key], list) and grid[key],
-               f"{label}: {key} ({grid[key]!r}) must be a non-empty list")
-    schemes = [s.value for s in ResidualScheme]
+               f"{label}: {key} ({grid[key]!r}) must be a non-empty list"
+               + (' or "all"' if key == "schemes" else ""))
     for scheme in grid["schemes"]:
         _check(scheme in schemes,
                f"{label}: unknown scheme {scheme!r}; known schemes: {', '.join(schemes)}")
