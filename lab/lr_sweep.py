@@ -9,18 +9,19 @@ many identical runs that differ in one knob, on the same data and token budget.
 
 A preset (TOML) names a base training config, overrides shared by every cell (``[train]``,
 dotted keys), and one or more ``[[grid]]`` tables; each grid is the cross product of its
-``schemes`` (or ``"all"``: every registered scheme), ``lrs``, ``warmup`` (steps) and
-``layers`` lists, and the sweep runs the union of the grids (a cell named twice runs once). Extra ``--section.key=value`` arguments reach every
-cell. Before the first cell starts, every cell's config, tokenizer and data are checked as its
-trainer would check them: a mistake is one ``error:`` line naming the cell, exit 2, and no cell
-runs. Each cell is one ``python -m pretrain train`` process in ``<out>/cells/<name>``; a cell
-that finished has a ``result.json`` and is skipped when the sweep runs again, so an interrupted
-sweep resumes. A run the trainer aborts for repeated NaN/Inf steps (exit 3), or whose final
-validation loss is not finite or no better than at step 0, is recorded as ``diverged``; one
-that ends above the preset's ``collapse_loss`` is reported as ``collapsed``; any other
-failure is ``failed`` and retried on the next run. With ``data = "demo"`` the demo's
-corpus, tokenizer and dataset are prepared once if missing. The report (``results.csv``,
-``table.md``, ``val_loss_vs_lr.png``, ``loss_curves.png``) is rewritten after every cell.
+``schemes`` (or ``"all"``: every registered scheme), ``lrs``, ``warmup`` (steps) and ``layers``
+lists, and the sweep runs the union of the grids (a cell named twice runs once). Extra
+``--section.key=value`` arguments reach every cell. Before the first cell starts, every cell's
+config, tokenizer and data are checked as its trainer would check them: a mistake is one
+``error:`` line naming the cell, exit 2, and no cell runs. Each cell is one ``python -m
+pretrain train`` process in ``<out>/cells/<name>``; a cell that finished has a ``result.json``
+and is skipped when the sweep runs again, so an interrupted sweep resumes. A run the trainer
+aborts for repeated NaN/Inf steps (exit 3), or whose final validation loss is not finite or no
+better than at step 0, is recorded as ``diverged``; one that ends above the preset's
+``collapse_loss`` is reported as ``collapsed``; any other failure is ``failed`` and retried on
+the next run. With ``data = "demo"`` the demo's corpus, tokenizer and dataset are prepared once
+if missing. The report (``results.csv``, ``table.md``, ``val_loss_vs_lr.png``,
+``loss_curves.png``) is rewritten after every cell.
 """
 
 from __future__ import annotations
@@ -240,6 +241,18 @@ def summarize_run(run_dir: Path, returncode: int, steps: int, spike_factor: floa
     }
 
 
+def provenance(run_dir: Path) -> dict:
+    """The seed and the commit a cell trained with, from its run folder (empty if absent), so
+    a results file says which code made each row."""
+    found = {}
+    config, versions = run_dir / "config.toml", run_dir / "versions.json"
+    if config.is_file():
+        found["seed"] = tomllib.loads(config.read_text()).get("run", {}).get("seed", "")
+    if versions.is_file():
+        found["commit"] = json.loads(versions.read_text()).get("git_commit", "")
+    return found
+
+
 def mark_collapsed(result: dict, collapse_loss: float) -> dict:
     """A run that finished but whose final validation loss is still above ``collapse_loss``
     (a preset's choice, e.g. just under its data's unigram entropy) learned no more than token
@@ -301,7 +314,7 @@ class Sweep:
         _check(result.get("args") == self.training_args(cell),
                f"cell {cell.name} in {self.out} was trained with other settings than this "
                f"sweep's; use another --out, or delete {self.cell_dir(cell)}")
-        return result
+        return {**result, **provenance(self.cell_dir(cell))}
 
     def overrides(self, cell: Cell) -> list[str]:
         """The cell's command-line overrides of the base config (later ones win)."""

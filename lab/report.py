@@ -23,7 +23,7 @@ from model.schemes import ResidualScheme
 COLUMNS = ["name", "grid", "scheme", "layers", "lr", "warmup", "status", "final_val_loss",
            "val_loss_step0", "final_train_loss", "max_grad_norm", "skipped_steps",
            "loss_spikes", "merge_x_share", "merge_cosine", "steps_logged", "tokens_per_s",
-           "wall_s", "returncode"]
+           "wall_s", "returncode", "seed", "commit"]
 ORDER = [s.value for s in ResidualScheme]
 # Runs that trained to the end but did not learn: NaN/Inf or no better than at step 0
 # ("diverged"), or stuck above the preset's collapse_loss ("collapsed").
@@ -32,11 +32,11 @@ KNOBS = ("lr", "layers", "warmup")
 AXIS = {"lr": "peak learning rate", "layers": "blocks", "warmup": "warm-up steps"}
 
 
-def _scheme_key(scheme: str) -> int:
+def scheme_key(scheme: str) -> int:
     return ORDER.index(scheme) if scheme in ORDER else len(ORDER)
 
 
-def _fixed_text(knob: str, fixed: dict) -> str:
+def fixed_text(knob: str, fixed: dict) -> str:
     parts = {"layers": f"{fixed.get('layers')} blocks", "warmup": f"warm-up {fixed.get('warmup')}",
              "lr": f"lr {fixed.get('lr', 0):g}"}
     return ", ".join(parts[k] for k in ("layers", "warmup", "lr") if k != knob)
@@ -62,7 +62,7 @@ def slices(rows: list[dict], knob: str, minimum: int = 2) -> list[tuple[dict, li
     return out
 
 
-def _cell_text(row: dict | None) -> str:
+def cell_text(row: dict | None) -> str:
     if row is None:
         return ""
     loss = row["final_val_loss"]
@@ -71,7 +71,7 @@ def _cell_text(row: dict | None) -> str:
     return f"{loss:.3f}" if row["status"] == "ok" else row["status"]
 
 
-def _value_text(knob: str, value) -> str:
+def value_text(knob: str, value) -> str:
     return {"lr": f"lr {value:g}", "layers": f"{value} blocks", "warmup": f"warm-up {value}"}[knob]
 
 
@@ -83,12 +83,12 @@ def markdown_tables(rows: list[dict]) -> str:
         for fixed, subset in slices(rows, knob, minimum):
             values = sorted({r[knob] for r in subset})
             lookup = {(r["scheme"], r[knob]): r for r in subset}
-            parts.append(f"{_fixed_text(knob, fixed)}: final validation loss by "
+            parts.append(f"{fixed_text(knob, fixed)}: final validation loss by "
                          f"{AXIS[knob]}\n")
-            parts.append("| scheme | " + " | ".join(_value_text(knob, v) for v in values) + " |")
+            parts.append("| scheme | " + " | ".join(value_text(knob, v) for v in values) + " |")
             parts.append("|---|" + "---:|" * len(values))
-            for scheme in sorted({r["scheme"] for r in subset}, key=_scheme_key):
-                cells = [_cell_text(lookup.get((scheme, v))) for v in values]
+            for scheme in sorted({r["scheme"] for r in subset}, key=scheme_key):
+                cells = [cell_text(lookup.get((scheme, v))) for v in values]
                 parts.append(f"| {scheme} | " + " | ".join(cells) + " |")
             parts.append("")
     return "\n".join(parts)
@@ -166,7 +166,7 @@ def _draw_curves(ax, knob: str, subset: list[dict], values: list) -> None:
     colors = _colors()
     position = (lambda v: v) if knob != "warmup" else values.index
     top = _top(subset)
-    schemes = sorted({r["scheme"] for r in subset}, key=_scheme_key)
+    schemes = sorted({r["scheme"] for r in subset}, key=scheme_key)
     for i, scheme in enumerate(schemes):
         mine = sorted((r for r in subset if r["scheme"] == scheme), key=lambda r: r[knob])
         shift = (i - (len(schemes) - 1) / 2) / max(len(schemes), 1)
@@ -196,7 +196,7 @@ def _draw_schemes(ax, knob: str, subset: list[dict]) -> None:
     runs apart would fill the whole axis, so no marker would sit at the tick.)"""
     colors = _colors()
     top = _top(subset)
-    schemes = sorted({r["scheme"] for r in subset}, key=_scheme_key)
+    schemes = sorted({r["scheme"] for r in subset}, key=scheme_key)
     for x, scheme in enumerate(schemes):
         for row in (r for r in subset if r["scheme"] == scheme):
             if row["status"] == "ok":
@@ -206,7 +206,7 @@ def _draw_schemes(ax, knob: str, subset: list[dict]) -> None:
                         markersize=8, markeredgewidth=2)
     ax.set_xticks(range(len(schemes)), schemes, fontsize=8)
     ax.set_xlim(-0.5, len(schemes) - 0.5)
-    ax.set_xlabel(f"scheme, at {_value_text(knob, subset[0][knob])}")
+    ax.set_xlabel(f"scheme, at {value_text(knob, subset[0][knob])}")
 
 
 def draw_slice(ax, knob: str, subset: list[dict]) -> None:
@@ -235,10 +235,10 @@ def plot_val_vs_lr(rows: list[dict], path: Path) -> None:
     for ax, (knob, fixed, subset) in zip(axes.flat, panels, strict=False):
         draw_slice(ax, knob, subset)
         by = AXIS[knob].replace("peak ", "") if len({r[knob] for r in subset}) > 1 else "scheme"
-        ax.set_title(f"by {by}: {_fixed_text(knob, fixed)}", fontsize=9)
+        ax.set_title(f"by {by}: {fixed_text(knob, fixed)}", fontsize=9)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    schemes = sorted({r["scheme"] for r in rows}, key=_scheme_key)
+    schemes = sorted({r["scheme"] for r in rows}, key=scheme_key)
     fig.tight_layout()
     _legend(fig, plt, schemes, "collapsed (at its loss) / diverged (on top)",
             {"marker": "x", "linestyle": "none"})
@@ -255,7 +255,7 @@ def plot_loss_curves(rows: list[dict], curves: dict[str, list[dict]], path: Path
     for ax, (layers, warmup, lr) in zip(axes.flat, panels, strict=False):
         low, start = math.inf, -math.inf
         for row in sorted((r for r in rows if (r["layers"], r["warmup"], r["lr"])
-                           == (layers, warmup, lr)), key=lambda r: _scheme_key(r["scheme"])):
+                           == (layers, warmup, lr)), key=lambda r: scheme_key(r["scheme"])):
             steps = {m["step"]: m["loss"] for m in curves.get(row["name"], []) if "loss" in m}
             xs = sorted(steps)
             ys = _smooth([steps[s] for s in xs])
@@ -272,7 +272,7 @@ def plot_loss_curves(rows: list[dict], curves: dict[str, list[dict]], path: Path
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    schemes = sorted({r["scheme"] for r in rows}, key=_scheme_key)
+    schemes = sorted({r["scheme"] for r in rows}, key=scheme_key)
     fig.tight_layout()
     _legend(fig, plt, schemes, "collapsed or diverged", {"linestyle": ":"})
     fig.savefig(path, dpi=72, bbox_inches="tight")

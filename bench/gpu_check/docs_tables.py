@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import markdown_table
+from bench.common import markdown_table, refresh_docs
 from bench.gpu_check import report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,18 +127,7 @@ def blocks(result: dict, name: str) -> dict[str, str]:
             "benchmarks-steps": steps_table(result)}
 
 
-BLOCK = re.compile(r"(<!-- gpu-results: (?P<name>[\w-]+) -->\n)(?P<body>.*?)"
-                   r"(<!-- /gpu-results -->)", re.DOTALL)
-DOCS = (REPO / "README.md", REPO / "docs" / "benchmarks.md")
-
-
-def rendered(text: str, generated: dict[str, str]) -> str:
-    def fill(match: re.Match) -> str:
-        if match["name"] not in generated:
-            raise SystemExit(f"bench.gpu_check.docs_tables: unknown block {match['name']!r}")
-        return match[1] + generated[match["name"]] + "\n" + match[4]
-
-    return BLOCK.sub(fill, text)
+DOCS = [REPO / "README.md", REPO / "docs" / "benchmarks.md"]
 
 
 def main(argv=None) -> int:
@@ -148,19 +136,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     path = newest()
     generated = blocks(json.loads(path.read_text()), path.name)
-    stale = []
-    for doc in DOCS:
-        text = doc.read_text()
-        new = rendered(text, generated)
-        if new != text:
-            stale.append(doc.name)
-            if args.write:
-                doc.write_text(new)
-    if stale and not args.write:
-        print(f"bench.gpu_check.docs_tables: out of date with {path.name}: {', '.join(stale)}")
-        return 1
-    return 0
-
+    return refresh_docs(DOCS, "gpu-results", generated, path.name, args.write)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from lab import lr_sweep, report
+from model.schemes import ResidualScheme
+from runtime.errors import ConfigError
 from tests.helpers import children_on_cpu
 from tests.pretrain_fixtures import make_corpus
 
@@ -197,6 +199,10 @@ def _two_cell_sweep(tmp_path, capsys):
     assert (pre / "train.log").read_text() == log  # not run again
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [(r["scheme"], r["status"]) for r in rows] == [("pre", "ok"), ("siamese", "ok")]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent, check=False).stdout.strip()
+    for row in rows:  # every row says which code and which seed made it
+        assert row["seed"] == "1234" and row["commit"] == (head or "unknown"), row
     for row in rows:
         assert float(row["final_val_loss"]) < float(row["val_loss_step0"])
     siamese = rows[1]
@@ -222,6 +228,17 @@ def _two_cell_sweep(tmp_path, capsys):
     assert "| collapsed" in (out / "table.md").read_text()
     assert lr_sweep.main(["--preset", str(strict), "--only", "nomatch-*"]) == 2
     assert "--only nomatch-* matches no cell" in capsys.readouterr().err
+
+
+def test_schemes_all_is_every_registered_scheme(tmp_path):
+    """A grid may name ``schemes = "all"``: the registry's schemes, in its order, so a scheme
+    registered later joins every such sweep without an edit to the preset."""
+    preset = _preset(tmp_path / "p.toml", GRID.replace('["pre"]', '"all"'))
+    _, _, cells = lr_sweep.load_preset(preset)
+    assert [c.scheme for c in cells] == [s.value for s in ResidualScheme]
+    wrong = _preset(tmp_path / "q.toml", GRID.replace('["pre"]', '"every"'))
+    with pytest.raises(ConfigError, match=r"schemes \('every'\) must be a non-empty list or "):
+        lr_sweep.load_preset(wrong)
 
 
 def test_only_runs_the_matching_cells(tmp_path, capsys):

@@ -1,0 +1,172 @@
+"""python -m lab.docs_tables [--write]
+python -m lab.docs_tables --publish RUN_DIR [--seeds DIR ...] [--date YYYY-MM-DD]
+
+The CPU sweep's tables in README.md and docs/lab.md, generated from the newest dated results
+file ``docs/sweep/cpu-YYYY-MM-DD.csv`` and its seed check ``cpu-seeds-YYYY-MM-DD.csv``, so no
+sweep figure in the docs stands without the file (and the commit) it came from. Each table sits
+between ``<!-- sweep-results: NAME -->`` and ``<!-- /sweep-results -->``; ``--write`` replaces
+them, without it the script exits 1 if a page is out of date (tests/lab/test_docs_tables.py
+holds them equal).
+
+``--publish`` makes those dated files from finished sweeps: RUN_DIR's ``results.csv`` as
+``cpu-DATE.csv`` (every row carries its cell's seed and commit), the cells of the ``--seeds``
+sweeps (the same preset cells run with other seeds) together with the same-named cells of
+RUN_DIR as ``cpu-seeds-DATE.csv``, and RUN_DIR's two plots, then rewrites the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from bench.common import markdown_table, refresh_docs
+from lab.report import COLUMNS, cell_text, scheme_key, slices, value_text
+
+REPO = Path(__file__).resolve().parent.parent
+SWEEP_DOCS = REPO / "docs" / "sweep"
+DOCS = [REPO / "README.md", REPO / "docs" / "lab.md"]
+PLOTS = ("val_loss_vs_lr.png", "loss_curves.png")
+NUMBERS = {"layers": int, "warmup": int, "lr": float, "final_val_loss": float, "seed": int}
+
+
+def newest(kind: str) -> Path:
+    files = sorted(SWEEP_DOCS.glob(f"{kind}-????-??-??.csv"))
+    if not files:
+        raise SystemExit(f"lab.docs_tables: no {kind}-YYYY-MM-DD.csv in {SWEEP_DOCS}")
+    return files[-1]
+
+
+def read_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for key, kind in NUMBERS.items():
+            if row.get(key) not in (None, ""):
+                row[key] = kind(float(row[key])) if kind is int else kind(row[key])
+    return rows
+
+
+def _best(rows: list[dict]) -> dict | None:
+    trained = [r for r in rows if r["status"] == "ok" and math.isfinite(r["final_val_loss"])]
+    return min(trained, key=lambda r: r["final_val_loss"]) if trained else None
+
+
+def knob_table(rows: list[dict], knob: str, bold_best: bool = True) -> str:
+    """Schemes x values of ``knob`` (the other two knobs fixed), the lowest loss in bold."""
+    values = sorted({r[knob] for r in rows})
+    lookup = {(r["scheme"], r[knob]): r for r in rows}
+    best = _best(rows) if bold_best else None
+    table = []
+    for scheme in sorted({r["scheme"] for r in rows}, key=scheme_key):
+        cells = []
+        for value in values:
+            row = lookup.get((scheme, value))
+            text = cell_text(row)
+            cells.append(f"**{text}**" if row is best and best is not None else text)
+        table.append([scheme, *cells])
+    return markdown_table(["scheme", *(value_text(knob, v) for v in values)], table)
+
+
+def main_slice(rows: list[dict]) -> tuple[dict, list[dict]]:
+    """The LR slice with the most cells: the sweep's main grid."""
+    return max(slices(rows, "lr", 1), key=lambda fixed_rows: len(fixed_rows[1]))
+
+
+def depth_table(rows: list[dict]) -> str:
+    parts = []
+    for fixed, subset in slices(rows, "layers"):
+        table = knob_table(subset, "layers", bold_best=False)
+        losses = {(r["scheme"], r["layers"]): r["final_val_loss"] for r in subset
+                  if r["status"] == "ok"}
+        depths = sorted({r["layers"] for r in subset})
+        if all(("pre", d) in losses and ("siamese", d) in losses for d in depths):
+            gaps = [f"{losses['pre', d] - losses['siamese', d]:.3f}" for d in depths]
+            table += "\n| gap (pre - siamese) | " + " | ".join(gaps) + " |"
+        parts.append(f"lr {fixed['lr']:g}, warm-up {fixed['warmup']}:\n\n{table}")
+    return "\n\n".join(parts) or "(no depth grid)"
+
+
+def warmup_table(rows: list[dict]) -> str:
+    parts = [f"lr {fixed['lr']:g}, {fixed['layers']} blocks:\n\n{knob_table(subset, 'warmup')}"
+             for fixed, subset in slices(rows, "warmup")]
+    return "\n\n".join(parts) or "(no warm-up grid)"
+
+
+def seeds_table(rows: list[dict]) -> str:
+    """Final validation loss per seed of every cell run with more than one seed."""
+    cells: dict[tuple, dict[int, dict]] = {}
+    for row in rows:
+        cells.setdefault((row["scheme"], row["layers"], row["lr"], row["warmup"]), {})[
+            row["seed"]] = row
+    seeds = sorted({row["seed"] for row in rows})
+    table = []
+    for (scheme, _layers, lr, _warmup), by_seed in sorted(
+            cells.items(), key=lambda kv: (kv[0][2], scheme_key(kv[0][0]), kv[0][1])):
+        losses = [r["final_val_loss"] for r in by_seed.values() if r["status"] == "ok"]
+        spread = f"{max(losses) - min(losses):.3f}" if len(losses) > 1 else ""
+        mean = f"{statistics.fmean(losses):.3f}" if losses else ""
+        table.append([scheme, f"{lr:g}", *(cell_text(by_seed.get(s)) for s in seeds), mean,
+                      spread])
+    return markdown_table(["scheme", "lr", *(f"seed {s}" for s in seeds), "mean", "spread"],
+                          table, right_from=1)
+
+
+def _commits(rows: list[dict]) -> str:
+    commits = sorted({r.get("commit", "")[:7] for r in rows} - {""})
+    return ", ".join(f"`{c}`" for c in commits) or "not recorded"
+
+
+def blocks(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str) -> dict:
+    """NAME -> generated text; README links are from the root, docs/ links one up."""
+    fixed, subset = main_slice(rows)
+    source = (f"From [{name}](docs/sweep/{name}) ({len(rows)} cells, commit "
+              f"{_commits(rows)}); {fixed['layers']} blocks, warm-up {fixed['warmup']}:\n\n")
+    lr = source + knob_table(subset, "lr")
+    return {"readme-lr": lr, "lab-lr": lr.replace("](docs/sweep/", "](sweep/"),
+            "lab-warmup": warmup_table(rows), "lab-depth": depth_table(rows),
+            "lab-seeds": f"From [{seeds_name}](sweep/{seeds_name}) (commit "
+                         f"{_commits(seed_rows)}):\n\n{seeds_table(seed_rows)}"}
+
+
+def publish(run_dir: Path, seed_dirs: list[Path], date: str) -> None:
+    rows = read_rows(run_dir / "results.csv")
+    seed_rows = [r for d in seed_dirs for r in read_rows(d / "results.csv")]
+    names = {r["name"] for r in seed_rows}
+    seed_rows = [r for r in rows if r["name"] in names] + seed_rows
+    for kind, found in (("cpu", rows), ("cpu-seeds", seed_rows)):
+        with (SWEEP_DOCS / f"{kind}-{date}.csv").open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(found)
+    for plot in PLOTS:
+        if (run_dir / plot).is_file():
+            shutil.copyfile(run_dir / plot, SWEEP_DOCS / plot)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="rewrite the docs' tables")
+    p.add_argument("--publish", type=Path, help="a finished sweep's folder (--out)")
+    p.add_argument("--seeds", type=Path, nargs="*", default=[],
+                   help="finished seed-check sweeps' folders")
+    p.add_argument("--date", default=datetime.date.today().isoformat())
+    args = p.parse_args(argv)
+    if args.publish:
+        for folder in (args.publish, *args.seeds):
+            if not (folder / "results.csv").is_file():
+                p.error(f"'{folder / 'results.csv'}' does not exist: not a finished sweep")
+        publish(args.publish, args.seeds, args.date)
+    path, seeds = newest("cpu"), newest("cpu-seeds")
+    generated = blocks(read_rows(path), path.name, read_rows(seeds), seeds.name)
+    return refresh_docs(DOCS, "sweep-results", generated, path.name,
+                        args.write or bool(args.publish))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
