@@ -80,3 +80,22 @@ def test_per_layer_memory_summaries_name_every_scheme(where):
                                      start)]
     named = set(re.findall(r"\b[a-z][a-z0-9_]*\b", sentence)) & set(REGISTERED)
     assert named == set(REGISTERED), sorted(set(REGISTERED) - named)
+
+
+def test_sweep_cell_counts_in_the_docs_are_the_presets():
+    """Every "`configs/sweep/NAME.toml`: N cells" (and "N cells" in a preset's own header
+    comment) is the number of cells the preset really runs: a grid naming ``schemes = "all"``
+    grows with the registry, and the prose must follow."""
+    from lab.lr_sweep import load_preset
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    claims = [(page.name, m.group(1), int(m.group(2))) for page in pages
+              for m in re.finditer(r"`(configs/sweep/[\w-]+\.toml)`[^.\n]*?: (\d+) cells",
+                                   " ".join(page.read_text().split()))]
+    for preset in sorted((ROOT / "configs" / "sweep").glob("*.toml")):
+        header = re.search(r"^# (\d+) cells", preset.read_text(), re.MULTILINE)
+        if header:
+            claims.append((preset.name, f"configs/sweep/{preset.name}", int(header.group(1))))
+    assert {c[1] for c in claims} >= {"configs/sweep/cpu.toml", "configs/sweep/gpu.toml"}
+    for where, preset, count in claims:
+        assert len(load_preset(ROOT / preset)[2]) == count, (where, preset, count)

@@ -16,20 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests.pretrain_fixtures import REPO, env, train_args, train_losses
-from tests.slurm_cluster import start_cluster
 
 pytestmark = pytest.mark.cluster
 
 # Enough steps (20-100 ms each) that a warning sent after step 1 lands well before the end.
 STEPS = 150
 SLURM = REPO / "launch" / "slurm"
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    started = start_cluster()
-    yield started
-    started.stop()
 
 
 def _job_env(cluster, nproc: int = 1) -> dict:

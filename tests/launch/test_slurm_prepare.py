@@ -12,18 +12,10 @@ import pytest
 
 from pretrain.data.prepare import prepare_data
 from tests.pretrain_fixtures import REPO, env
-from tests.slurm_cluster import start_cluster
 
 pytestmark = pytest.mark.cluster
 
 SHARDS = 3
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    started = start_cluster()
-    yield started
-    started.stop()
 
 
 def _sbatch(cluster, log: Path, args: list[str], *options: str) -> str:
