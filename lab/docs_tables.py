@@ -118,20 +118,23 @@ def seeds_table(rows: list[dict]) -> str:
 
 
 def _commits(rows: list[dict]) -> str:
+    """"commit `abc1234`", or "commits ..." when cells started from different ones."""
     commits = sorted({r.get("commit", "")[:7] for r in rows} - {""})
-    return ", ".join(f"`{c}`" for c in commits) or "not recorded"
+    if not commits:
+        return "commit not recorded"
+    return ("commit " if len(commits) == 1 else "commits ") + ", ".join(f"`{c}`" for c in commits)
 
 
 def blocks(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str) -> dict:
     """NAME -> generated text; README links are from the root, docs/ links one up."""
     fixed, subset = main_slice(rows)
-    source = (f"From [{name}](docs/sweep/{name}) ({len(rows)} cells, commit "
-              f"{_commits(rows)}); {fixed['layers']} blocks, warm-up {fixed['warmup']}:\n\n")
+    source = (f"From [{name}](docs/sweep/{name}) ({len(rows)} cells, {_commits(rows)}); "
+              f"{fixed['layers']} blocks, warm-up {fixed['warmup']}:\n\n")
     lr = source + knob_table(subset, "lr")
     return {"readme-lr": lr, "lab-lr": lr.replace("](docs/sweep/", "](sweep/"),
             "lab-warmup": warmup_table(rows), "lab-depth": depth_table(rows),
-            "lab-seeds": f"From [{seeds_name}](sweep/{seeds_name}) (commit "
-                         f"{_commits(seed_rows)}):\n\n{seeds_table(seed_rows)}"}
+            "lab-seeds": f"From [{seeds_name}](sweep/{seeds_name}) ({_commits(seed_rows)}):"
+                         f"\n\n{seeds_table(seed_rows)}"}
 
 
 def publish(run_dir: Path, seed_dirs: list[Path], date: str) -> None:

@@ -103,10 +103,15 @@ def _smooth(values: list[float], width: int = 10) -> list[float]:
     return out
 
 
-def _colors() -> dict[str, str]:
-    palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
-               "#7f7f7f"]
-    return {scheme: palette[i % len(palette)] for i, scheme in enumerate(ORDER)}
+# matplotlib's tab10, then tab20's lighter shades: one distinct colour per registered scheme
+# (a test holds every scheme to its own colour, so a registry past 20 must extend this).
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ff9896", "#98df8a", "#c5b0d5",
+           "#ffbb78", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5"]
+
+
+def scheme_colors() -> dict[str, str]:
+    return {scheme: PALETTE[i % len(PALETTE)] for i, scheme in enumerate(ORDER)}
 
 
 class PlottingUnavailable(RuntimeError):
@@ -142,7 +147,7 @@ def _figure(plt, panels: int, height: float):
 def _legend(fig, plt, schemes: list[str], note: str, note_style: dict) -> None:
     """One legend for the whole figure, right of the panels (panels differ in their schemes);
     the figure is saved with bbox_inches="tight", so it is never clipped."""
-    colors = _colors()
+    colors = scheme_colors()
     handles = [plt.Line2D([], [], color=colors.get(s), marker="o", markersize=4, label=s)
                for s in schemes]
     handles.append(plt.Line2D([], [], color="black", label=note, **note_style))
@@ -163,7 +168,7 @@ def _top(subset: list[dict]) -> float:
 
 def _draw_curves(ax, knob: str, subset: list[dict], values: list) -> None:
     """One line per scheme over the knob's values (a log axis for the LR)."""
-    colors = _colors()
+    colors = scheme_colors()
     position = (lambda v: v) if knob != "warmup" else values.index
     top = _top(subset)
     schemes = sorted({r["scheme"] for r in subset}, key=scheme_key)
@@ -194,7 +199,7 @@ def _draw_schemes(ax, knob: str, subset: list[dict]) -> None:
     not a curve: one labelled position per scheme, the value in the axis label. (On a
     knob axis every scheme would share one tick, and the sideways nudge that keeps failed
     runs apart would fill the whole axis, so no marker would sit at the tick.)"""
-    colors = _colors()
+    colors = scheme_colors()
     top = _top(subset)
     schemes = sorted({r["scheme"] for r in subset}, key=scheme_key)
     for x, scheme in enumerate(schemes):
@@ -251,7 +256,7 @@ def plot_loss_curves(rows: list[dict], curves: dict[str, list[dict]], path: Path
     panels = sorted({(r["layers"], r["warmup"], r["lr"]) for r in rows},
                     key=lambda p: (p[0], -p[1], p[2]))
     fig, axes = _figure(plt, len(panels), 2.8)
-    colors = _colors()
+    colors = scheme_colors()
     for ax, (layers, warmup, lr) in zip(axes.flat, panels, strict=False):
         low, start = math.inf, -math.inf
         for row in sorted((r for r in rows if (r["layers"], r["warmup"], r["lr"])

@@ -57,7 +57,7 @@ def test_tables_from_a_hand_written_file(tmp_path):
     assert "| siamese | **4.600** | 4.500 |" not in made["lab-warmup"]
     assert "| siamese | 4.600 | **4.500** |" in made["lab-warmup"]
     seed_lines = made["lab-seeds"].splitlines()
-    assert "commit `abcdef0`, `fedcba9`" in seed_lines[0]
+    assert "(commits `abcdef0`, `fedcba9`)" in seed_lines[0]
     assert seed_lines[2] == "| scheme | lr | seed 2 | seed 1234 | mean | spread |"
     assert seed_lines[4:] == ["| pre | 0.006 | 4.700 | 4.900 | 4.800 | 0.200 |",
                               "| siamese | 0.006 | 4.400 | 4.500 | 4.450 | 0.100 |"]

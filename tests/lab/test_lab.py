@@ -248,3 +248,9 @@ def test_only_runs_the_matching_cells(tmp_path, capsys):
     sweep = lr_sweep.Sweep(preset, tmp_path / "out", None, [], ["siamese-*"])
     assert [c.name for c in sweep.cells if sweep.selected(c)] == ["siamese-L2-lr0.001-wu1"]
     assert [c.name for c in sweep.cells if not sweep.selected(c)] == ["pre-L2-lr0.001-wu1"]
+
+
+def test_every_registered_scheme_has_its_own_colour():
+    colours = report.scheme_colors()
+    assert set(colours) == {s.value for s in ResidualScheme}
+    assert len(set(colours.values())) == len(colours), colours
