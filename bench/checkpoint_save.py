@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown_table, random_batch, versions_line
+from bench.common import random_batch, versions_line
 from model.builder import build_model, model_parameters, wrap_ddp
 from model.config import ModelConfig, ParallelConfig
 from pretrain.config import Config, RunConfig
 from pretrain.optim import build_optimizer
 from pretrain.run.saver import Saver
 from runtime import cpu_compat, parallel
+from runtime.markdown import markdown_table
 from runtime.schedule import forward_backward
 
 MODES = {"foreground (default)": False, "background (run.async_save)": True}

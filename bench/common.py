@@ -1,17 +1,15 @@
-"""Helpers the benchmarks and the lab share: package versions, a fixed random batch, integer
-lists on the command line, markdown tables, generated blocks in the docs, and timing that is
-GPU time on a GPU and wall time on the CPU (so a GPU benchmark's code can be rehearsed on a CPU
-at a tiny size)."""
+"""Helpers the benchmarks share: package versions, a fixed random batch, integer lists on the
+command line, and timing that is GPU time on a GPU and wall time on the CPU (so a GPU
+benchmark's code can be rehearsed on a CPU at a tiny size). Tables and generated blocks in the
+docs are runtime.markdown's."""
 
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import time
 from collections.abc import Callable
 from importlib import metadata
-from pathlib import Path
 
 import torch
 
@@ -55,44 +53,7 @@ def int_list(text: str) -> list[int]:
             f"expected comma-separated integers, got {text!r}") from None
 
 
-def markdown_table(header: list[str], rows: list[list[str]], right_from: int = 1) -> str:
-    """A markdown table; columns from ``right_from`` on are right-aligned (numbers)."""
-    align = ["---" if i < right_from else "---:" for i in range(len(header))]
-    lines = [header, align, *rows]
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
-
-def fill_blocks(text: str, tag: str, generated: dict[str, str]) -> str:
-    """``text`` with the body of every ``<!-- TAG: NAME -->`` ... ``<!-- /TAG -->`` block
-    replaced by ``generated[NAME]``: how a page carries a table made from a results file. A
-    block no generator knows is an error (it would otherwise go stale unnoticed)."""
-    pattern = re.compile(rf"(<!-- {tag}: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /{tag} -->)",
-                         re.DOTALL)
-
-    def fill(match: re.Match) -> str:
-        if match["name"] not in generated:
-            raise SystemExit(f"{tag}: unknown block {match['name']!r}")
-        return match[1] + generated[match["name"]] + "\n" + match[4]
-
-    return pattern.sub(fill, text)
-
-
-def refresh_docs(docs: list[Path], tag: str, generated: dict[str, str], source: str,
-                 write: bool) -> int:
-    """Rewrite (``write``) or check the generated blocks of ``docs``: 0 if up to date or
-    rewritten, else 1 with one line naming the stale pages."""
-    stale = []
-    for doc in docs:
-        text = doc.read_text()
-        new = fill_blocks(text, tag, generated)
-        if new != text:
-            stale.append(doc.name)
-            if write:
-                doc.write_text(new)
-    if stale and not write:
-        print(f"{tag}: out of date with {source}: {', '.join(stale)}")
-        return 1
-    return 0
 
 
 class Mark:

@@ -28,10 +28,11 @@ import time
 import torch
 from torch.overrides import _pop_mode_temporarily
 
-from bench.common import markdown_table, versions_line
+from bench.common import versions_line
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from runtime import cpu_compat, parallel
+from runtime.markdown import markdown_table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

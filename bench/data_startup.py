@@ -19,6 +19,11 @@ cache load (``build_datasets``), the first micro-batch, and the sum of the last 
 start). The blend's warm start
 also reads ``--batches`` more micro-batches of one 4,096-token sequence each: the loader's
 sequences per second on this CPU (a node of 8 GPUs at 65k tokens/s each reads ~130).
+With ``--overlap-steps N`` each blend is then read for N steps twice more, the page cache
+dropped before each pass and each pass on samples of its own, with a stand-in for the step's
+device time (``--compute-ms``, a sleep: the host waits on a GPU without holding the GIL):
+once reading each step's micro-batches in the step, once reading them one step ahead with the
+trainer's ``Prefetcher``. The difference is the read time the trainer's read-ahead hides.
 Dropping the page cache needs root (``/proc/sys/vm/drop_caches``); without it the cold modes
 are skipped. The run reads one epoch: steps x 64 sequences x 4,096 tokens ~ the corpus.
 """
@@ -37,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import versions_line
+from runtime.markdown import markdown_table
 
 SEQ_LENGTH = 4096
 GLOBAL_BATCH = 64
@@ -145,9 +151,45 @@ def worker(spec: dict) -> dict:
                     read += 1
                 start += GLOBAL_BATCH
             marks["sequences_per_s"] = read / (time.perf_counter() - clock)
+        if spec.get("overlap_steps"):
+            past_read = position.samples + GLOBAL_BATCH * 2 + spec["batches"]  # unread samples
+            marks.update(overlap(train, spec["overlap_steps"], spec["compute_ms"] / 1e3,
+                                 first_step=past_read // GLOBAL_BATCH + 1))
         parallel.destroy()
     marks["start"] = sum(marks[k] for k in ("config", "checks", "index", "first_batch"))
     return marks
+
+
+def overlap(train, steps: int, compute_s: float, first_step: int) -> dict:
+    """Seconds per step reading in the step and reading one step ahead, each pass from a
+    dropped page cache and on samples no pass read before; the clock starts after one step
+    (the first step has nothing read ahead in either pass)."""
+    from pretrain.data.batches import step_microbatches
+    from pretrain.data.prefetch import Prefetcher
+
+    def read(start: int) -> list[dict]:
+        return list(step_microbatches(train, start, GLOBAL_BATCH, 1))
+
+    def one_pass(first: int, ahead: bool) -> float:
+        drop_page_cache()
+        prefetch = Prefetcher(read) if ahead else None
+        for k in range(steps + 1):
+            if k == 1:
+                clock = time.perf_counter()
+            start = (first + k) * GLOBAL_BATCH
+            if prefetch is None:
+                read(start)
+            else:
+                prefetch.take(start)
+                prefetch.ahead(start + GLOBAL_BATCH)
+            time.sleep(compute_s)  # the step's device time
+        seconds = (time.perf_counter() - clock) / steps
+        if prefetch is not None:
+            prefetch.close()
+        return seconds
+
+    return {"in_step_s": one_pass(first_step, False),
+            "ahead_s": one_pass(first_step + steps + 2, True)}
 
 
 def _run_worker(spec: dict) -> dict:
@@ -159,7 +201,8 @@ def _run_worker(spec: dict) -> dict:
 
 
 def bench_dataset(folder: Path, billions: float, dtype: str, prefixes: int,
-                  batches: int, can_drop: bool) -> list[tuple[str, dict]]:
+                  batches: int, can_drop: bool, overlap_steps: int = 0,
+                  compute_ms: float = 0.0) -> list[tuple[str, dict]]:
     made = make_datasets(folder, billions, dtype, prefixes)
     cache = folder / "cache" / f"{billions:g}B-{dtype}-{prefixes}"
     shutil.rmtree(cache, ignore_errors=True)
@@ -173,10 +216,20 @@ def bench_dataset(folder: Path, billions: float, dtype: str, prefixes: int,
             if not can_drop:
                 continue
             drop_page_cache()
+        blend_warm = mode == "warm" and prefixes > 1
         timing = _run_worker({**spec, "resume": mode == "resume",
-                              "batches": batches if mode == "warm" and prefixes > 1 else 0})
+                              "batches": batches if blend_warm else 0,
+                              "overlap_steps": overlap_steps if blend_warm and can_drop else 0,
+                              "compute_ms": compute_ms})
         rows.append((mode, timing))
     return rows
+
+
+def _overlap_cells(t: dict, compute_s: float) -> list[str]:
+    read, exposed = t["in_step_s"] - compute_s, max(0.0, t["ahead_s"] - compute_s)
+    hidden = f"{1 - exposed / read:.0%}" if read > 0 else ""
+    return [f"{t['in_step_s']:.3f}", f"{t['ahead_s']:.3f}", f"{read:.3f}", f"{exposed:.3f}",
+            hidden]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,6 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=2000,
                    help="micro-batches the blend's warm start reads for the throughput")
     p.add_argument("--keep", action="store_true", help="keep the datasets afterwards")
+    p.add_argument("--overlap-steps", type=int, default=0,
+                   help="steps each blend is read in the step and read ahead (0: not timed)")
+    p.add_argument("--compute-ms", type=float, default=500.0,
+                   help="the stand-in device time of a step, for --overlap-steps")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -201,18 +258,30 @@ def main(argv: list[str] | None = None) -> None:
     print("| tokens | dtype | prefixes | start | imports s | config s | checks s | index s "
           "| first batch s | data start s | sequences/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    overlaps: list[list[str]] = []
     try:
         for billions in (float(s) for s in args.sizes.split(",")):
             for dtype in args.dtypes.split(","):
                 for prefixes in (1, BLEND):
                     for mode, t in bench_dataset(folder, billions, dtype, prefixes,
-                                                 args.batches, can_drop):
+                                                 args.batches, can_drop, args.overlap_steps,
+                                                 args.compute_ms):
+                        if "ahead_s" in t:
+                            overlaps.append([f"{billions:g}B", dtype, str(prefixes)]
+                                            + _overlap_cells(t, args.compute_ms / 1e3))
                         rate = f"{t['sequences_per_s']:.0f}" if "sequences_per_s" in t else ""
                         print(f"| {billions:g}B | {dtype} | {prefixes} | {mode} | "
                               f"{t['imports']:.1f} | {t['config']:.2f} | "
                               f"{t['checks']:.2f} | {t['index']:.2f} | "
                               f"{t['first_batch']:.3f} | {t['start']:.2f} | {rate} |",
                               flush=True)
+        if overlaps:
+            print(f"\n# read in the step vs read one step ahead, {args.overlap_steps} steps of "
+                  f"{GLOBAL_BATCH} x {SEQ_LENGTH} tokens from a dropped page cache, "
+                  f"{args.compute_ms:g} ms of stand-in device time per step")
+            print(markdown_table(["tokens", "dtype", "prefixes", "step s, read in step",
+                                  "step s, read ahead", "read s in step", "read s not hidden",
+                                  "hidden"], overlaps, right_from=3))
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

@@ -28,8 +28,9 @@ if not torch.cuda.is_available():  # the Triton norms run in the interpreter oth
 
 import torch.nn.functional as F  # noqa: E402
 
-from bench.common import markdown_table, random_batch, time_ms, versions_line  # noqa: E402
+from bench.common import random_batch, time_ms, versions_line  # noqa: E402
 from bench.saved_activations import saved_bytes  # noqa: E402
+from runtime.markdown import markdown_table  # noqa: E402
 
 SHAPES = {"demo (6 x 128, seq 128, mb 16)": dict(num_layers=6, hidden_size=128, seq=128,
                                                  batch=16),

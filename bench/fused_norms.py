@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.common import int_list, markdown_table, time_ms, versions_line
+from bench.common import int_list, time_ms, versions_line
+from runtime.markdown import markdown_table
 
 SEQ = 4096
 

@@ -37,9 +37,10 @@ from pathlib import Path
 import torch
 
 from bench import step_profile
-from bench.common import Mark, int_list, markdown_table, random_batch, versions_line
+from bench.common import Mark, int_list, random_batch, versions_line
 from model.schemes import Recompute
 from runtime import cpu_compat
+from runtime.markdown import markdown_table
 
 SCHEMES = ("pre", "siamese", "siamese_hybrid")
 TARGETS = ("targets: pre >= 65k tokens/s and >= 53% MFU; step / pre: siamese <= 1.02, "

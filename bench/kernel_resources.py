@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from bench.common import int_list, markdown_table, versions_line
+from bench.common import int_list, versions_line
 from bench.cubin import cubin_resources
 from bench.triton_launches import NORMS, Case, arg_type, compile_launch, record_launches
 from kernels import triton_kernels
@@ -49,6 +49,7 @@ from kernels.occupancy import (
     fit,
     programs_per_sm,
 )
+from runtime.markdown import markdown_table
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NORM_NAMES = {Case(torch.float32, rms, bias, 0).norm: (rms, bias) for rms, bias in NORMS}

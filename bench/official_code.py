@@ -16,9 +16,10 @@ import platform
 
 import torch
 
-from bench.common import markdown_table, versions_line
+from bench.common import versions_line
 from model.config import ParallelConfig
 from runtime import cpu_compat, parallel
+from runtime.markdown import markdown_table
 
 
 def _switches(fields: dict) -> str:

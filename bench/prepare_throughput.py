@@ -35,10 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import int_list, markdown_table, package_version
+from bench.common import int_list, package_version
 from pretrain.data.prepare import prepare_data
 from pretrain.data.shards import prepare_shard, prepare_sharded
 from pretrain.data.tokenizer import train_tokenizer
+from runtime.markdown import markdown_table
 
 VOCAB = 8192
 FILES = 4

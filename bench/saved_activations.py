@@ -23,7 +23,8 @@ import torch
 if not torch.cuda.is_available():  # the Triton norms run in the interpreter; Triton reads
     os.environ.setdefault("TRITON_INTERPRET", "1")  # this when a kernel module is imported
 
-from bench.common import markdown_table, random_batch, versions_line  # noqa: E402
+from bench.common import random_batch, versions_line  # noqa: E402
+from runtime.markdown import markdown_table  # noqa: E402
 
 SCHEMES = ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

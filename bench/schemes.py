@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from bench.common import markdown_table
 from model.builder import build_model, count_parameters
 from model.config import ModelConfig, ParallelConfig
 from model.schemes import ResidualScheme
 from runtime import cpu_compat, parallel
+from runtime.markdown import markdown_table
 
 
 def parse_args() -> argparse.Namespace:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bench.common import markdown_table
+from runtime.markdown import markdown_table
 
 NAME_WIDTH = 70
 

@@ -57,8 +57,9 @@ import torch
 if not torch.cuda.is_available():  # the triton backend needs the interpreter to be chosen on
     os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU; no kernel runs here either way
 
-from bench.common import markdown_table, versions_line  # noqa: E402
+from bench.common import versions_line  # noqa: E402
 from bench.traffic_count import TrafficMode  # noqa: E402
+from runtime.markdown import markdown_table  # noqa: E402
 
 SCHEMES = ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")
 DETAIL = ("siamese", "siamese_hybrid")

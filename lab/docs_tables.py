@@ -25,8 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.common import markdown_table, refresh_docs
 from lab.report import COLUMNS, cell_text, scheme_key, slices, value_text
+from runtime.markdown import markdown_table, refresh_docs
 
 REPO = Path(__file__).resolve().parent.parent
 SWEEP_DOCS = REPO / "docs" / "sweep"

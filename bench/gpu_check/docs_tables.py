@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import markdown_table, refresh_docs
 from bench.gpu_check import report
+from runtime.markdown import markdown_table, refresh_docs
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "results"

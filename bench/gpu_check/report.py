@@ -4,7 +4,7 @@ result converted from an earlier report reads the same way."""
 
 from __future__ import annotations
 
-from bench.common import markdown_table
+from runtime.markdown import markdown_table
 
 
 def _num(value, spec: str = ",.1f", suffix: str = "") -> str:

@@ -33,6 +33,7 @@ from pretrain.data.batches import (
     step_microbatches,
 )
 from pretrain.data.position import DataPosition
+from pretrain.data.prefetch import Prefetcher
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
 from pretrain.optim import build_optimizer
@@ -215,6 +216,9 @@ class Training:
         self.progress = Progress(start, config.run.steps, enabled=is_logging_rank())
         self.watchdog = Watchdog(config.run.hang_timeout, self.run_dir / "hangs",
                                  dist.get_rank())
+        d = config.data
+        self.prefetch = Prefetcher(lambda first: list(step_microbatches(
+            self.train_set, first, d.global_batch_size, d.micro_batch_size)))
         finished = False
         try:
             result = self.loop(start)
@@ -227,6 +231,7 @@ class Training:
             raise
         finally:  # the one teardown
             self.watchdog.stop()  # first: after a hang it waits for the watchdog's exit
+            self.prefetch.close()
             self.saver.close()  # after an exception: a write still in flight is waited for
             self.progress.close()
             if finished:
@@ -290,11 +295,14 @@ class Training:
         gradient norm (NaN: not computed)."""
         config, d = self.config, self.config.data
         self.optimizer.zero_grad()
+        batches = self.prefetch.take(self.at(step).samples)
+        if step + 1 < config.run.steps:  # the next step's batches are read while this one runs
+            self.prefetch.ahead(self.at(step + 1).samples)
         with diag.step(step + 1) if diag else contextlib.nullcontext():
-            losses = forward_backward(self.chunks, step_microbatches(
-                self.train_set, self.at(step).samples, d.global_batch_size, d.micro_batch_size),
-                microbatches_per_step(d.global_batch_size, d.micro_batch_size),
-                config.seq_length, d.micro_batch_size)
+            losses = forward_backward(self.chunks, iter(batches),
+                                      microbatches_per_step(d.global_batch_size,
+                                                            d.micro_batch_size),
+                                      config.seq_length, d.micro_batch_size)
         status = step_status(losses, self.chunks, self.stop)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         verdict = self.guard.judge_loss(status.loss, status.finite)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import fill_blocks
 from lab import docs_tables
 from lab.report import COLUMNS
+from runtime.markdown import fill_blocks
 
 
 def test_docs_match_the_newest_results_files(capsys):

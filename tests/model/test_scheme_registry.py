@@ -67,7 +67,7 @@ def test_adding_a_scheme_names_every_file_a_new_scheme_touched():
     following it, and nothing it names is missing: its list is what adding one takes."""
     text = (ROOT / "docs" / "schemes.md").read_text()
     section = text.split("## Adding a scheme", 1)[1].split("\n## ", 1)[0]
-    named = {p for p in re.findall(r"`([\w./-]+\.(?:py|md))`", section)}
+    named = {p for p in re.findall(r"`([\w./-]+\.(?:py|md|toml))`", section)}
     named = {p if "/" in p or p == "README.md" else f"pretrain/hf/remote/{p}" for p in named}
     touched = files_naming(("periln", "olmo2")) - {"tests/model/test_scheme_registry.py",
                                                     "docs/schemes.md"}
