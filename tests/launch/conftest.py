@@ -1,5 +1,7 @@
-"""The test slurm cluster, started once for every launch test that asks for it (job scripts
-and the sharded data preparation), stopped when the session ends."""
+"""The test slurm cluster for the launch tests that ask for it (job scripts and the sharded
+data preparation): one per test module, stopped after the module's last test. Not one per
+session: a session fixture is torn down inside whichever test ends the session, and stopping
+the cluster starts processes, which only a test marked ``cluster`` may (tests/tiers.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 from tests.slurm_cluster import start_cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster():
     started = start_cluster()
     yield started
