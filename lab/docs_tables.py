@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import math
 import shutil
 import statistics
 import sys
 from pathlib import Path
 
-from lab.report import COLUMNS, cell_text, scheme_key, slices, value_text
+from lab.report import COLUMNS, cell_text, scheme_key, slice_table, slices
 from runtime.markdown import markdown_table, refresh_docs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,27 +51,6 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _best(rows: list[dict]) -> dict | None:
-    trained = [r for r in rows if r["status"] == "ok" and math.isfinite(r["final_val_loss"])]
-    return min(trained, key=lambda r: r["final_val_loss"]) if trained else None
-
-
-def knob_table(rows: list[dict], knob: str, bold_best: bool = True) -> str:
-    """Schemes x values of ``knob`` (the other two knobs fixed), the lowest loss in bold."""
-    values = sorted({r[knob] for r in rows})
-    lookup = {(r["scheme"], r[knob]): r for r in rows}
-    best = _best(rows) if bold_best else None
-    table = []
-    for scheme in sorted({r["scheme"] for r in rows}, key=scheme_key):
-        cells = []
-        for value in values:
-            row = lookup.get((scheme, value))
-            text = cell_text(row)
-            cells.append(f"**{text}**" if row is best and best is not None else text)
-        table.append([scheme, *cells])
-    return markdown_table(["scheme", *(value_text(knob, v) for v in values)], table)
-
-
 def main_slice(rows: list[dict]) -> tuple[dict, list[dict]]:
     """The LR slice with the most cells: the sweep's main grid."""
     return max(slices(rows, "lr", 1), key=lambda fixed_rows: len(fixed_rows[1]))
@@ -81,7 +59,7 @@ def main_slice(rows: list[dict]) -> tuple[dict, list[dict]]:
 def depth_table(rows: list[dict]) -> str:
     parts = []
     for fixed, subset in slices(rows, "layers"):
-        table = knob_table(subset, "layers", bold_best=False)
+        table = slice_table(subset, "layers")
         losses = {(r["scheme"], r["layers"]): r["final_val_loss"] for r in subset
                   if r["status"] == "ok"}
         depths = sorted({r["layers"] for r in subset})
@@ -93,7 +71,8 @@ def depth_table(rows: list[dict]) -> str:
 
 
 def warmup_table(rows: list[dict]) -> str:
-    parts = [f"lr {fixed['lr']:g}, {fixed['layers']} blocks:\n\n{knob_table(subset, 'warmup')}"
+    parts = [f"lr {fixed['lr']:g}, {fixed['layers']} blocks:\n\n"
+             + slice_table(subset, "warmup", bold_best=True)
              for fixed, subset in slices(rows, "warmup")]
     return "\n\n".join(parts) or "(no warm-up grid)"
 
@@ -130,7 +109,7 @@ def blocks(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str) 
     fixed, subset = main_slice(rows)
     source = (f"From [{name}](docs/sweep/{name}) ({len(rows)} cells, {_commits(rows)}); "
               f"{fixed['layers']} blocks, warm-up {fixed['warmup']}:\n\n")
-    lr = source + knob_table(subset, "lr")
+    lr = source + slice_table(subset, "lr", bold_best=True)
     return {"readme-lr": lr, "lab-lr": lr.replace("](docs/sweep/", "](sweep/"),
             "lab-warmup": warmup_table(rows), "lab-depth": depth_table(rows),
             "lab-seeds": f"From [{seeds_name}](sweep/{seeds_name}) ({_commits(seed_rows)}):"

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from model.schemes import ResidualScheme
+from runtime.markdown import markdown_table
 
 COLUMNS = ["name", "grid", "scheme", "layers", "lr", "warmup", "status", "final_val_loss",
            "val_loss_step0", "final_train_loss", "max_grad_norm", "skipped_steps",
@@ -75,21 +76,38 @@ def value_text(knob: str, value) -> str:
     return {"lr": f"lr {value:g}", "layers": f"{value} blocks", "warmup": f"warm-up {value}"}[knob]
 
 
+def best_row(rows: list[dict]) -> dict | None:
+    """The trained row with the lowest final validation loss."""
+    trained = [r for r in rows if r["status"] == "ok" and math.isfinite(r["final_val_loss"])]
+    return min(trained, key=lambda r: r["final_val_loss"]) if trained else None
+
+
+def slice_table(rows: list[dict], knob: str, bold_best: bool = False) -> str:
+    """Final validation loss, schemes x the values of ``knob`` in one slice (the other two
+    knobs fixed); with ``bold_best`` the lowest loss in bold."""
+    values = sorted({r[knob] for r in rows})
+    lookup = {(r["scheme"], r[knob]): r for r in rows}
+    best = best_row(rows) if bold_best else None
+    table = []
+    for scheme in sorted({r["scheme"] for r in rows}, key=scheme_key):
+        cells = []
+        for value in values:
+            row = lookup.get((scheme, value))
+            text = cell_text(row)
+            cells.append(f"**{text}**" if best is not None and row is best else text)
+        table.append([scheme, *cells])
+    return markdown_table(["scheme", *(value_text(knob, v) for v in values)], table)
+
+
 def markdown_tables(rows: list[dict]) -> str:
     """Final validation loss, schemes x knob values: by peak LR for every (depth, warm-up),
     then by depth and by warm-up wherever the sweep varied them."""
     parts = []
     for knob, minimum in (("lr", 1), ("layers", 2), ("warmup", 2)):
         for fixed, subset in slices(rows, knob, minimum):
-            values = sorted({r[knob] for r in subset})
-            lookup = {(r["scheme"], r[knob]): r for r in subset}
             parts.append(f"{fixed_text(knob, fixed)}: final validation loss by "
                          f"{AXIS[knob]}\n")
-            parts.append("| scheme | " + " | ".join(value_text(knob, v) for v in values) + " |")
-            parts.append("|---|" + "---:|" * len(values))
-            for scheme in sorted({r["scheme"] for r in subset}, key=scheme_key):
-                cells = [cell_text(lookup.get((scheme, v))) for v in values]
-                parts.append(f"| {scheme} | " + " | ".join(cells) + " |")
+            parts.append(slice_table(subset, knob))
             parts.append("")
     return "\n".join(parts)
 
