@@ -6,7 +6,8 @@ report's step axis (0 to the run's last step), so figures line up when read one 
 another; the top axis of the first row gives the tokens consumed by then. What a reader must
 see at a glance is drawn explicitly: a null (NaN/Inf) value is a gap in its line and a tick
 at the bottom of the panel, settings changed on resume and rollbacks are vertical lines with
-their label, legends sit right of the data, never on it, and a spike does not set the axis:
+their label (wrapped to stay inside the panel, clear of the tick labels), legends sit right
+of the data, never on it, and a spike does not set the axis:
 it is clipped to the body of the data (``pretrain.report.outliers``) and what lies beyond is
 a marker on the edge, its count and extreme in the legend. Titles wrap to the figure's width,
 and the top axis labels the bottom axis's own ticks, so no label is cut or drawn over another.
@@ -14,6 +15,7 @@ and the top axis labels the bottom axis's own ticks, so no label is cut or drawn
 
 from __future__ import annotations
 
+import functools
 import math
 import textwrap
 from pathlib import Path
@@ -38,6 +40,13 @@ DPI = 100
 # digits): a title longer than the width it may take at this estimate wraps instead of
 # running off the figure's edge.
 CHAR_EM = 0.62
+# Mark labels (rollbacks, settings changed on resume) run down their line from MARK_TOP to at
+# most MARK_BOTTOM (fractions of the panel's height), in at most MARK_LINES lines of at least
+# MARK_MIN_CHARS characters: a label that needs more is cut.
+MARK_TOP, MARK_BOTTOM = 0.97, 0.03
+MARK_LINES = 3
+MARK_MIN_CHARS = 12
+MARK_FONT = 7
 
 
 def pyplot():
@@ -218,14 +227,59 @@ def _wrapped(title: str, size: int, inches: float) -> str:
     return "\n".join(textwrap.wrap(title, int(inches * 72 / (CHAR_EM * size))))
 
 
-def _marks(ax, marks: list[Mark], labelled: bool) -> None:
+def _marks(ax, marks: list[Mark]) -> None:
+    """Each mark a line across the panel, with its label along the line (``_mark_label``)."""
     for mark in marks:
         ax.axvline(mark.step, color=mark.color, linestyle=mark.style, linewidth=1)
-        if labelled:
-            text = mark.label if len(mark.label) <= 60 else mark.label[:57] + "..."
-            ax.text(mark.step, 0.97, f"{text} ", rotation=90, va="top", ha="right",
-                    fontsize=7, color=mark.color, transform=ax.get_xaxis_transform(),
-                    bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 1})
+        label = _mark_label()(mark.step, MARK_TOP, mark.label, rotation=90, va="top",
+                              ha="right", fontsize=MARK_FONT, color=mark.color, clip_on=False,
+                              transform=ax.get_xaxis_transform(),
+                              bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none",
+                                    "pad": 1})
+        label.set_in_layout(False)  # it fits itself to the panel the layout leaves
+        ax.add_artist(label)
+
+
+@functools.cache
+def _mark_label() -> type:
+    """The type of a mark's label: a text that fits itself inside its panel each time it is
+    drawn, when the figure's layout has set the panel's size: wrapped into at most
+    ``MARK_LINES`` lines no taller than the panel (the rest cut with "...": the page's summary
+    holds every change whole), left of its line, or right of it where the line is too near
+    the panel's left edge (a mark near the run's start). Inside the panel it is never cut by
+    the figure's edge nor drawn over the tick labels."""
+    from matplotlib.text import Text
+
+    class MarkLabel(Text):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.whole = self.get_text()
+
+        def draw(self, renderer) -> None:
+            if self.get_visible():
+                self._fit(renderer)
+            super().draw(renderer)
+
+        def _fit(self, renderer) -> None:
+            panel = self.axes.get_window_extent(renderer)
+            room = panel.height * (MARK_TOP - MARK_BOTTOM)
+            self.set_horizontalalignment("right")
+            width = len(self.whole)
+            while True:  # the longest lines that fit, measured as drawn
+                self.set_text("\n".join(textwrap.wrap(self.whole, width, max_lines=MARK_LINES,
+                                                      placeholder=" ...")))
+                height = self.get_window_extent(renderer).height
+                if height <= room or width <= MARK_MIN_CHARS:
+                    break
+                width = max(MARK_MIN_CHARS, min(width - 1, int(width * room / height)))
+            left = self.get_window_extent(renderer)
+            if left.x0 < panel.x0:
+                self.set_horizontalalignment("left")
+                right = self.get_window_extent(renderer)
+                if right.x1 > panel.x1 and right.x1 - panel.x1 > panel.x0 - left.x0:
+                    self.set_horizontalalignment("right")  # neither fits: the lesser overflow
+
+    return MarkLabel
 
 
 def render(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_title: str,
@@ -241,7 +295,7 @@ def render(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_titl
         ax.set_xlim(0, max(last_step, 1))
         ax.xaxis.set_major_locator(  # whole steps
             plt.MaxNLocator(nbins=STEP_TICKS, integer=True))
-        _marks(ax, marks, labelled=True)
+        _marks(ax, marks)
         if i < columns:
             _tokens_axis(ax, metrics.series.get("consumed_tokens"))
     for ax in list(axes.flat)[count:]:

@@ -2,14 +2,15 @@
 without W&B (or without network on the cluster).
 
 Reads ``RUN_DIR/metrics.jsonl`` (``pretrain.report.series``), ``settings_changes.jsonl``,
-``config.toml`` and ``versions.json`` (``pretrain.report.run_info``); decides the figures from
-the keys the run logged (``pretrain.report.panels``), draws them (``pretrain.report.plots``)
-and writes ``report.html`` with every image embedded (``pretrain.report.page``). Everything
-is read and checked, and matplotlib imported, before the output folder is created, so bad
-input (no such folder, no metrics.jsonl, a line that is not JSON, an output folder that is
-not writable) is one ``error:`` line
-and nothing is written. No torch and no process group: it runs anywhere the run folder is
-readable, also while the run is still training.
+``config.toml`` and ``versions.json`` (``pretrain.report.run_info``: the config with every
+resume's changes applied, so an extended run's planned steps are its last plan); decides the
+figures from the keys the run logged (``pretrain.report.panels``), draws them
+(``pretrain.report.plots``) and writes ``report.html`` with every image embedded
+(``pretrain.report.page``). Everything is read and checked, and matplotlib imported, before
+the output folder is created, so bad input (no such folder, no metrics.jsonl, a line that is
+not JSON, an output folder that is not writable) is one ``error:`` line and nothing is
+written. No torch and no process group: it runs anywhere the run folder is readable, also
+while the run is still training.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def write_report(run_dir: str | Path, output: str | Path | None = None,
                                  "report --output")
     metrics = read_metrics(metrics_path)
     metrics.settings_changes = read_settings_changes(run_dir / "settings_changes.jsonl")
-    info = read_run_info(run_dir)
+    info = read_run_info(run_dir, metrics.settings_changes)
     figures = panels.figures(metrics, info, smooth)
     marks = panels.marks(metrics)
     last_step = max(max(s.steps) for s in metrics.series.values())

@@ -2,8 +2,9 @@
 box in the rendered figure), no title, axis label, tick label or legend entry runs off the
 figure or over another, on a long run with the hard cases at once (a loss spike 250 times the
 loss, a rollback that skips data ahead, two counters holding the same counts, downstream
-scores with their chance level, a null, a long run title); and one spike does not set an
-axis (``pretrain.report.outliers``)."""
+scores with their chance level, a null, a long run title); the labels of marks (settings
+changed on resume, rollbacks) stay inside their panel; and one spike does not set an axis
+(``pretrain.report.outliers``)."""
 
 from __future__ import annotations
 
@@ -76,15 +77,25 @@ def _records(kind: str) -> list[dict]:
     return records
 
 
+def _changes(steps: int) -> list[dict]:
+    """A resume near the start that changed many settings, and the run extended at 3/4 of its
+    steps (what --run.steps with --optim.override_schedule records)."""
+    return [{"step": steps // 40, "changes": {
+                "optim.clip_grad": [1.0, 0.5], "optim.beta2": [0.95, 0.98],
+                "guard.spikes": [False, True], "guard.action": ["stop", "rollback"],
+                "data.valid_sets": [[], ["wiki=data/wiki_text_document:256"]]}},
+            {"step": steps * 3 // 4, "changes": {"optim.override_schedule": [False, True],
+                                                 "run.steps": [steps * 3 // 4, steps]}}]
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("report") / request.param
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
                                                for r in _records(request.param)))
-    changed = {"step": RUNS[request.param][0] * 3 // 4,
-               "changes": {"optim.clip_grad": [1.0, 0.5]}}
-    (run / "settings_changes.jsonl").write_text(json.dumps(changed) + "\n")
+    (run / "settings_changes.jsonl").write_text("".join(
+        json.dumps(c) + "\n" for c in _changes(RUNS[request.param][0])))
     (run / "config.toml").write_text(
         '[model]\nresidual_scheme = "siamese"\nnum_layers = 24\nhidden_size = 2048\n'
         '[logging]\nname = "siamese-1.3b-lr2e-3-350b-with-a-long-name"\n'
@@ -151,6 +162,37 @@ def test_no_text_is_cut_or_drawn_over_another(run):
             overlap_y = min(box_a.y1, box_b.y1) - max(box_a.y0, box_b.y0)
             assert overlap_x <= 0.5 or overlap_y <= 0.5, \
                 f"{name}.png: {a!r} and {b!r} overlap"
+
+
+def test_mark_labels_stay_inside_their_panel(run):
+    """Every mark's label runs along its line inside its panel, so it is neither cut by the
+    figure's edge nor drawn over the step axis's tick labels (both outside the panel): a
+    resume near the run's start is labelled right of its line, the extension's two changes
+    are shown whole, and a longer list is cut with "..." (the page's summary holds it)."""
+    marks = panels.marks(read_settings_changes_into(run))
+    extension = next(m.label for m in marks if "run.steps" in m.label)
+    for name, fig in _figures(run):
+        renderer = fig.canvas.get_renderer()
+        for ax in (a for a in fig.axes if a.get_xlabel() == "step"):
+            panel = ax.get_window_extent(renderer)
+            labels = [t for t in ax.texts if t.get_rotation() == 90]
+            assert len(labels) == len(marks), name
+            for label in labels:
+                box = label.get_window_extent(renderer)
+                assert (box.x0 >= panel.x0 - 0.5 and box.x1 <= panel.x1 + 0.5
+                        and box.y0 >= panel.y0 - 0.5 and box.y1 <= panel.y1 + 0.5), \
+                    f"{name}.png: {label.get_text()!r} leaves its panel " \
+                    f"({box.extents} in {panel.extents})"
+            texts = [" ".join(t.get_text().split("\n")) for t in labels]
+            assert extension in texts, (name, texts)
+            assert any(t.startswith("resumed with optim.clip_grad") and t.endswith("...")
+                       for t in texts), (name, texts)
+
+
+def read_settings_changes_into(run: Path):
+    metrics = read_metrics(run / "metrics.jsonl")
+    metrics.settings_changes = read_settings_changes(run / "settings_changes.jsonl")
+    return metrics
 
 
 def test_a_spike_leaves_the_axis_to_the_curve_and_is_marked_on_its_edge(run):

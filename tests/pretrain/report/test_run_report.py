@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -97,6 +98,30 @@ def test_settings_changes_and_rollbacks_become_marks(tmp_path):
     assert [(k.step, k.label) for k in marks] == [
         (7, "rollback at step 7 to step 4"), (5, "resumed with optim.clip_grad 1.0 -> 0.1")]
     assert read_settings_changes(tmp_path / "none.jsonl") == []
+
+
+def test_an_extended_run_reports_the_plan_it_ended_with(tmp_path):
+    """A run of 40 steps resumed with --run.steps=50 --optim.override_schedule=true:
+    config.toml holds the first start's plan, settings_changes.jsonl the extension; the
+    report counts the steps against the last plan and shows what it replaced."""
+    run = tmp_path / "run"
+    _write(run, [_train(step, 5.0 - step / 100) for step in range(1, 51)])
+    _write(run, [{"step": 40, "changes": {"optim.override_schedule": [False, True],
+                                          "run.steps": [40, 50]}}], "settings_changes.jsonl")
+    (run / "config.toml").write_text("[optim]\noverride_schedule = false\n[run]\nsteps = 40\n")
+    html = write_report(run)[-1].read_text()
+    rows = dict(re.findall(r"<tr><th>(.*?)</th><td class=\"value\">(.*?)</td></tr>", html))
+    assert rows["steps logged"] == "50 of 50"
+    assert rows["steps planned"] == "50 (40 until step 40)"
+    assert rows["resumed at step 40 with"] == \
+        "optim.override_schedule false -&gt; true, run.steps 40 -&gt; 50"
+    # extended twice, and a setting config.toml left out (unset) set by a resume
+    _write(run, [{"step": 40, "changes": {"run.steps": [40, 50]}},
+                 {"step": 50, "changes": {"run.steps": [50, 60], "parallel.vp": [None, 2]}}],
+           "settings_changes.jsonl")
+    info = read_run_info(run, read_settings_changes(run / "settings_changes.jsonl"))
+    assert info.config["run.steps"] == 60 and info.config["parallel.vp"] == 2
+    assert dict(info.rows())["steps planned"] == "60 (40 until step 40, 50 until step 50)"
 
 
 # ---- which panels --------------------------------------------------------------------------
