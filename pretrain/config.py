@@ -40,13 +40,40 @@ class WandbMode(StrEnum):
     DISABLED = "disabled"
 
 
+class DecayStyle(StrEnum):
+    COSINE = "cosine"
+    LINEAR = "linear"
+    CONSTANT = "constant"
+    WSD = "wsd"  # warm-up, stable, decay
+
+
+class WsdDecayShape(StrEnum):
+    LINEAR = "linear"
+    COSINE = "cosine"
+    MINUS_SQRT = "minus_sqrt"
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up then cosine decay to ``min_lr``."""
+    """AdamW with linear warm-up from 0 to ``lr``, then a decay to ``min_lr`` at run.steps."""
 
     lr: float = 3e-4
+    """Peak learning rate, reached at the end of the warm-up."""
     min_lr: float = 3e-5
+    """Learning rate at run.steps, the end of the decay (constant decay_style: unused)."""
     warmup_steps: int = 10
+    """Steps of the linear warm-up from 0 to lr."""
+    decay_style: DecayStyle = DecayStyle.COSINE
+    """How the learning rate falls from lr to min_lr between the warm-up and run.steps:
+    cosine, linear, constant (stays at lr), or wsd (warm-up, stable at lr, then a decay over
+    the last wsd_decay_steps steps)."""
+    wsd_decay_steps: int = 0
+    """decay_style wsd: the steps of the final decay to min_lr, ending at run.steps (> 0 and
+    at most run.steps - warmup_steps). A run that may be extended keeps its stable phase:
+    resume with more run.steps before the decay begins."""
+    wsd_decay_shape: WsdDecayShape = WsdDecayShape.LINEAR
+    """decay_style wsd: the shape of the final decay: linear, cosine, or minus_sqrt
+    (1 - sqrt(fraction of the decay done))."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -58,8 +85,12 @@ class OptimConfig:
     norm/clip/copy (pretrain/optim.py); false keeps megatron's torch fallback as it is. With
     TE or apex megatron uses their fused Adam either way."""
     override_schedule: bool = False
-    """On resume, follow this config's schedule (lr, min_lr, warmup_steps, run.steps,
-    weight_decay) where it differs from the checkpoint's; otherwise a difference is an error."""
+    """On resume, follow this config's schedule (lr, min_lr, warmup_steps, decay_style, the
+    wsd fields, weight_decay, run.steps) where it differs from the checkpoint's, keeping the
+    optimizer's moments; otherwise a difference is an error naming the field."""
+
+    def __post_init__(self) -> None:
+        coerce_choices("optim", self)
 
 
 @dataclass
@@ -571,6 +602,14 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
         require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must "
                 f"be >= 0 and < run.steps ({r.steps})")
+        if o.decay_style is DecayStyle.WSD:
+            decaying = r.steps - o.warmup_steps
+            require(0 < o.wsd_decay_steps <= decaying, f"optim.wsd_decay_steps "
+                    f"({o.wsd_decay_steps}) must be in [1, run.steps - optim.warmup_steps = "
+                    f"{decaying}] with optim.decay_style wsd")
+        else:
+            require(o.wsd_decay_steps == 0, f"optim.wsd_decay_steps ({o.wsd_decay_steps}) "
+                    f"applies only to optim.decay_style wsd, not {o.decay_style}; set it to 0")
         require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
         require(o.weight_decay >= 0, f"optim.weight_decay ({o.weight_decay}) must be >= 0")
         require(o.eps > 0, f"optim.eps ({o.eps}) must be > 0")

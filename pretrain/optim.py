@@ -14,14 +14,14 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from pretrain.config import Config
+from pretrain.config import Config, DecayStyle
 from runtime.errors import ConfigError
 from runtime.multi_tensor import foreach_kernels
 
 
 def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
-    """AdamW with linear warm-up from 0 to ``optim.lr`` then cosine decay to ``optim.min_lr``
-    at ``run.steps``. Returns (optimizer, scheduler)."""
+    """AdamW with linear warm-up from 0 to ``optim.lr``, then ``optim.decay_style`` down to
+    ``optim.min_lr`` at ``run.steps``. Returns (optimizer, scheduler)."""
     o = config.optim
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -35,14 +35,21 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.warmup_steps, lr_decay_steps=config.run.steps,
-        lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
+        lr_decay_style=_DECAY_STYLES[o.decay_style],
+        start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=config.run.steps, wd_incr_style="constant",
         override_opt_param_scheduler=o.override_schedule,
         use_checkpoint_opt_param_scheduler=False,
+        wsd_decay_steps=o.wsd_decay_steps or None, lr_wsd_decay_style=str(o.wsd_decay_shape),
     )
     if o.fused:
         use_fused_kernels(optimizer)
     return optimizer, scheduler
+
+
+# megatron's name of each decay style.
+_DECAY_STYLES = {DecayStyle.COSINE: "cosine", DecayStyle.LINEAR: "linear",
+                 DecayStyle.CONSTANT: "constant", DecayStyle.WSD: "WSD"}
 
 
 def _torch_adams(optimizer):
@@ -89,27 +96,51 @@ def use_fused_kernels(optimizer) -> None:
     optimizer.step = fused_step
 
 
-# The scheduler's checkpointed fields and the config field that sets each.
+# The schedule a checkpoint records (megatron's scheduler state plus the WSD fields it leaves
+# out), the config field that sets each, and how the config writes its value.
 _SCHEDULE_FIELDS = {
     "max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_steps": "optim.warmup_steps",
-    "lr_decay_steps": "run.steps", "start_wd": "optim.weight_decay",
+    "lr_decay_style": "optim.decay_style", "wsd_decay_steps": "optim.wsd_decay_steps",
+    "lr_wsd_decay_style": "optim.wsd_decay_shape", "lr_decay_steps": "run.steps",
+    "start_wd": "optim.weight_decay",
 }
+_CONFIG_VALUE = {"lr_decay_style": {v: k.value for k, v in _DECAY_STYLES.items()},
+                 "wsd_decay_steps": {None: 0}}
+
+
+def schedule_state(scheduler) -> dict:
+    """What a checkpoint stores of the schedule: megatron's scheduler state and the WSD
+    fields, which megatron's state omits (so a change of them is seen on resume)."""
+    return {**scheduler.state_dict(), "wsd_decay_steps": scheduler.wsd_decay_steps,
+            "lr_wsd_decay_style": scheduler.lr_wsd_decay_style}
+
+
+def _shown(key: str, value):
+    return _CONFIG_VALUE.get(key, {}).get(value, value)
+
+
+def schedule_changes(scheduler, saved: dict) -> dict[str, tuple]:
+    """Each schedule field whose value differs from the checkpoint's: {config field: (saved,
+    current)}, in the config's spelling. A checkpoint of an older version lacks some fields:
+    those are not compared."""
+    current = schedule_state(scheduler)
+    return {field: (_shown(key, saved[key]), _shown(key, current[key]))
+            for key, field in _SCHEDULE_FIELDS.items()
+            if key in saved and _shown(key, saved[key]) != _shown(key, current[key])}
 
 
 def check_schedule(scheduler, saved: dict) -> None:
     """A resumed run must say which schedule it follows when it differs from the checkpoint's.
 
     megatron's default silently keeps the checkpoint's values, so extending ``run.steps`` would
-    leave the cosine decay ending at the old step; its other mode asserts. Either surprise is
+    leave the decay ending at the old step; its other mode asserts. Either surprise is
     replaced by one line naming the field and the remedy (``optim.override_schedule``)."""
     if scheduler.override_opt_param_scheduler:  # optim.override_schedule
         return
-    current = scheduler.state_dict()
-    for key, field_name in _SCHEDULE_FIELDS.items():
-        if key in saved and saved[key] != current[key]:
-            raise ConfigError(
-                f"{field_name} ({current[key]}) differs from the checkpoint's ({saved[key]}); "
-                "set --optim.override_schedule=true to resume on the new schedule")
+    for field_name, (old, new) in schedule_changes(scheduler, saved).items():
+        raise ConfigError(
+            f"{field_name} ({new}) differs from the checkpoint's ({old}); "
+            "set --optim.override_schedule=true to resume on the new schedule")
 
 
 def load_schedule(scheduler, saved: dict) -> None:
@@ -118,9 +149,41 @@ def load_schedule(scheduler, saved: dict) -> None:
     megatron's ``load_state_dict`` advances the scheduler by the saved step count rather than
     setting it: right for a fresh scheduler only. A guard rollback reloads into the live one,
     which would then run as many steps ahead as the run had taken (its LR at ``min_lr`` long
-    before ``run.steps``), and every later checkpoint would carry that count."""
+    before ``run.steps``), and every later checkpoint would carry that count. With
+    ``optim.override_schedule`` megatron keeps the scheduler's own (this config's) values."""
     scheduler.num_steps = 0
     scheduler.load_state_dict(saved)
+
+
+def adopt_schedule(optimizer_state: dict, saved_schedule: dict, scheduler) -> None:
+    """Give the saved optimizer's parameter groups this run's peak and final LR.
+
+    megatron stores ``max_lr``/``min_lr`` in every parameter group, matches saved groups to
+    the live ones by them (a new ``optim.lr`` on resume: ``KeyError`` in the distributed
+    optimizer, "Could not find parameter group" in the other), and then steps with the
+    saved values, which the scheduler reads before its own. A saved group that carried the
+    checkpoint's schedule value carries this run's instead; the Adam moments are untouched.
+    Without ``optim.override_schedule`` the values are equal (:func:`check_schedule`)."""
+    replace = {key: (saved_schedule[key], getattr(scheduler, key))
+               for key in ("max_lr", "min_lr") if key in saved_schedule}
+    for groups in _param_group_lists(optimizer_state):
+        for group in groups:
+            for key, (old, new) in replace.items():
+                if group.get(key) == old:
+                    group[key] = new
+
+
+def _param_group_lists(state) -> list[list[dict]]:
+    """Every ``param_groups`` list in a (possibly chained, possibly nested) megatron
+    optimizer state: under "optimizer" for the mixed-precision and distributed optimizers,
+    at the top for the fp32 one, one state per index for a chain."""
+    if not isinstance(state, dict):
+        return []
+    found = [state["param_groups"]] if isinstance(state.get("param_groups"), list) else []
+    for key, value in state.items():
+        if key != "param_groups" and isinstance(value, dict):
+            found += _param_group_lists(value)
+    return found
 
 
 def _torch_optimizers(optimizer):

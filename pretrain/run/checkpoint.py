@@ -37,7 +37,14 @@ from megatron.core import dist_checkpointing, tensor_parallel
 
 from pretrain.config import Config
 from pretrain.data.position import DataPosition
-from pretrain.optim import check_schedule, load_schedule, load_state, prime_state
+from pretrain.optim import (
+    adopt_schedule,
+    check_schedule,
+    load_schedule,
+    load_state,
+    prime_state,
+    schedule_state,
+)
 from pretrain.run import identity
 from pretrain.run.failure import save_failure
 from runtime import device, weights
@@ -112,7 +119,7 @@ def _sharded_state(chunks, optimizer, scheduler, step: int, loading: bool) -> di
     state = weights.sharded_state(chunks)
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading,
                                                       metadata=OPTIMIZER_FORMAT)
-    state["scheduler"] = scheduler.state_dict()
+    state["scheduler"] = schedule_state(scheduler)
     state["step"] = step
     return state
 
@@ -310,6 +317,7 @@ def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
     state = weights.read(_sharded_state(chunks, optimizer, scheduler, 0, loading=True), directory)
     weights.put(chunks, state)
     check_schedule(scheduler, state["scheduler"])
+    adopt_schedule(state["optimizer"], state["scheduler"], scheduler)
     load_state(optimizer, state["optimizer"])
     load_schedule(scheduler, state["scheduler"])
     if record["world_size"] == dist.get_world_size():  # RNG streams are per rank of a layout
