@@ -207,6 +207,31 @@ def test_blended_prefixes_train(data, tmp_path):
     assert all(math.isfinite(v) for v in val_losses(run))
 
 
+@pytest.mark.parametrize("distributed", [True, False], ids=["distributed", "optimizer"])
+def test_a_new_peak_lr_on_resume_follows_the_new_schedule(data, tmp_path, distributed):
+    """The user's path: a lower optim.lr on resume is refused with the advice, and the advice
+    taken resumes on the new schedule under either optimizer (it used to end in a KeyError or
+    "Could not find parameter group"). Every schedule field, in process:
+    tests/pretrain/run/test_schedule_on_resume.py."""
+    run, steps = tmp_path / "lowered", 3
+    chosen = [f"--parallel.distributed_optimizer={str(distributed).lower()}",
+              "--data.valid_samples=0"]
+    cli(*train_args(data, run, f"--run.steps={steps}", *chosen))
+    lowered = train_args(data, run, f"--run.steps={steps + 2}", "--optim.lr=1e-3", *chosen)
+    if distributed:  # the refusal's advice is the same for both
+        refused = cli(*lowered, check=False)
+        assert refused.returncode == 2
+        assert "set --optim.override_schedule=true to resume on the new schedule" \
+            in refused.stderr
+    done = cli(*lowered, "--optim.override_schedule=true")
+    assert f"resumed with optim.lr = 0.001 (was 0.003 until step {steps})" in done.stderr
+    lrs = {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
+    peak, low, warmup = 1e-3, 3e-4, 2  # the new lr, the demo's min_lr, TINY's warm-up
+    progress = (steps - warmup) / (steps + 2 - warmup)
+    expected = low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
+    assert lrs[steps + 1] == pytest.approx(expected, rel=1e-6)
+
+
 def test_extending_a_finished_run_needs_and_follows_the_new_schedule(data, reference, tmp_path):
     """Resuming with more run.steps is refused unless optim.override_schedule is set; then the
     cosine decay is stretched to the new end instead of staying at min_lr."""
