@@ -54,8 +54,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--output", required=True, help="output prefix (PREFIX.bin/.idx)")
     d.add_argument("--workers", type=int, default=1)
     d.add_argument("--shards", type=int,
-                   help="split the input files into this many shards (PREFIX.shards/), each "
-                        "resumable, then merge them into PREFIX (pretrain.data.shards)")
+                   help="split the inputs into this many shards (PREFIX.shards/): runs of "
+                        "whole files, or with fewer files, of JSON lines; each resumable, "
+                        "then merged into PREFIX (pretrain.data.shards)")
     d.add_argument("--shard", type=int,
                    help="prepare only this shard (0-based; a slurm array task's index)")
     d.add_argument("--blend", action="store_true",

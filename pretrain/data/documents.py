@@ -11,9 +11,14 @@ An input is one of:
   through ``datasets.load_from_disk``, which memory-maps the Arrow files;
 - any other file (optionally ``.gz``): plain text, blank-line-separated paragraphs.
 
-Nothing is loaded whole, so a corpus larger than memory streams through. Empty documents are
-skipped (they would only add a lone EOD token); an input that yields no document at all is an
-error, since it is almost always the wrong file or field.
+An uncompressed JSON-lines file can also be read in part, a :class:`Span` of its bytes cut at
+line starts: how ``prepare-data --shards`` divides one large file among its shards.
+
+Nothing is loaded whole, so a corpus larger than memory streams through. Empty documents (a
+blank line of a JSON-lines file, a line or row whose text is "") are skipped, since they would
+only add a lone EOD token, and counted (:class:`Skipped`), so a summary can say how many there
+were; an input that yields no document at all is an error, since it is almost always the wrong
+file or field.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from pretrain.paths import require_file
 from runtime.errors import DataError
@@ -29,6 +36,30 @@ from runtime.errors import DataError
 BATCH_ROWS = 1024
 JSON_SUFFIXES = (".jsonl", ".json")
 TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+class Span(NamedTuple):
+    """Bytes [begin, end) of an uncompressed JSON-lines file, both line starts (or the file's
+    end): one shard's part of a file too large to be a shard's whole input."""
+
+    path: str
+    begin: int
+    end: int
+
+
+@dataclass
+class Skipped:
+    """The empty documents the readers passed over, counted as they go."""
+
+    empty: int = 0
+
+
+def can_cut(path: str) -> bool:
+    """Whether ``path`` can be read in :class:`Span` s: a JSON-lines file, uncompressed (a
+    gzip stream cannot be entered in the middle), where every line start begins a record."""
+    file = Path(path)
+    return (file.is_file() and file.suffix.lower() != ".gz"
+            and _base_suffix(file) in JSON_SUFFIXES)
 
 
 def require_data_input(path: str) -> Path:
@@ -49,25 +80,51 @@ def _base_suffix(file: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def _lines(path: str, file: Path) -> Iterator[tuple[int, str]]:
-    """(number, line) with line endings kept. Read as bytes so a bad byte is reported with its
-    exact line, and so "\\r" is never rewritten (the text must reach the tokenizer unchanged)."""
+def _lines(path: str, file: Path, span: Span | None = None) -> Iterator[tuple[int, str]]:
+    """(number, line) with line endings kept, of the whole file or of ``span`` (numbered from
+    its first line: :func:`_line_number` makes it the file's). Read as bytes so a bad byte is
+    reported with its exact line, and so "\\r" is never rewritten (the text must reach the
+    tokenizer unchanged)."""
     opener = gzip.open if file.suffix.lower() == ".gz" else open
+    begin, end = (span.begin, span.end) if span else (0, None)
     try:
         with opener(file, "rb") as f:
+            f.seek(begin)
+            at = begin
             for number, raw in enumerate(f, 1):
+                if end is not None and at >= end:
+                    return
+                at += len(raw)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError:
-                    raise DataError(f"data file '{path}' line {number} is not UTF-8") from None
-                yield number, line.removeprefix("\ufeff") if number == 1 else line
+                    raise DataError(f"data file '{path}' line {_line_number(file, span, number)} "
+                                    "is not UTF-8") from None
+                yield number, line.removeprefix("\ufeff") if number == 1 and not begin else line
     except (gzip.BadGzipFile, EOFError):
         raise DataError(f"data file '{path}' is not a complete gzip file") from None
 
 
-def _json_documents(path: str, file: Path, field: str) -> Iterator[str]:
-    for number, line in _lines(path, file):
+def _line_number(file: Path, span: Span | None, number: int) -> int:
+    """Line ``number`` of ``span`` as a line of the whole file, for an error message only:
+    counting the lines before the span reads them, which a shard's work never needs to."""
+    if span is None or span.begin == 0:
+        return number
+    before = 0
+    with open(file, "rb") as f:
+        left = span.begin
+        while left and (block := f.read(min(left, 1 << 20))):
+            before += block.count(b"\n")
+            left -= len(block)
+    return before + number
+
+
+def _json_documents(path: str, file: Path, field: str,
+                    span: Span | None = None) -> Iterator[str]:
+    """The text of every line; a blank line is an empty document ("", counted and skipped)."""
+    for number, line in _lines(path, file, span):
         if not line.strip():
+            yield ""
             continue
         try:
             record = json.loads(line)
@@ -75,8 +132,8 @@ def _json_documents(path: str, file: Path, field: str) -> Iterator[str]:
             record = None
         text = record.get(field) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise DataError(f"data file '{path}' line {number} is not a JSON object with a "
-                            f"string \"{field}\" field")
+            raise DataError(f"data file '{path}' line {_line_number(file, span, number)} is "
+                            f"not a JSON object with a string \"{field}\" field")
         yield text
 
 
@@ -173,7 +230,7 @@ def _saved_dataset_documents(path: str, folder: Path, field: str) -> Iterator[st
     yield from _column_texts(path, (batch[field] for batch in batches), field)
 
 
-def check_input(path: str, text_field: str = "text") -> None:
+def check_input(path: str | Span, text_field: str = "text") -> None:
     """Read the first document of ``path``, so a missing file, a wrong format, field or column
     fails in one line before any work starts (and before a progress bar is drawn)."""
     documents = iter_documents(path, text_field)
@@ -181,8 +238,12 @@ def check_input(path: str, text_field: str = "text") -> None:
     documents.close()
 
 
-def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
-    """Documents of ``path`` (see the module docstring for the formats), in order."""
+def iter_documents(path: str | Span, text_field: str = "text",
+                   skipped: Skipped | None = None) -> Iterator[str]:
+    """Documents of ``path`` (see the module docstring for the formats), or of a :class:`Span`
+    of one, in order; the empty ones are left out and counted in ``skipped``."""
+    span = path if isinstance(path, Span) else None
+    path = span.path if span else path
     source = require_data_input(path)
     if source.is_dir():
         reader = _saved_dataset_documents
@@ -192,10 +253,15 @@ def iter_documents(path: str, text_field: str = "text") -> Iterator[str]:
         reader = _table_documents
     else:
         reader = _paragraphs
+    documents = (_json_documents(path, source, text_field, span) if span
+                 else reader(path, source, text_field))
     count = 0
-    for document in reader(path, source, text_field):
+    for document in documents:
         if document:
             count += 1
             yield document
+        elif skipped is not None:
+            skipped.empty += 1
     if count == 0:
-        raise DataError(f"data file '{path}' has no documents")
+        where = f" bytes {span.begin}-{span.end}" if span else ""
+        raise DataError(f"data file '{path}'{where} has no documents")

@@ -6,7 +6,9 @@ ids, else int32), so files made here and by Megatron-LM's preprocessing are inte
 both directions. Output goes to temporary names and is renamed into place at the end; existing
 outputs are never overwritten, so an interrupted or mistaken run loses nothing. Beside them goes
 the dataset's record (``PREFIX.record.json``, :mod:`pretrain.data.record`): the tokenizer that
-made it and its token-id range, so a start checks both without reading the corpus.
+made it and its token-id range, so a start checks both without reading the corpus. Empty
+documents (blank JSON lines, empty texts) are skipped (each would be a lone EOD token) and
+counted, in the summary and the record (``empty_skipped``), so none is lost unnoticed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from pretrain.data import record
-from pretrain.data.documents import check_input, iter_documents
+from pretrain.data.documents import Skipped, Span, check_input, iter_documents
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.paths import require_creatable
 from runtime.errors import ConfigError
@@ -67,22 +69,24 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode_chunk(_worker_tokenizer, texts)
 
 
-def _chunks(inputs: list[str], text_field: str) -> Iterator[list[str]]:
-    documents = (doc for path in inputs for doc in iter_documents(path, text_field))
+def _chunks(inputs: list[str | Span], text_field: str,
+            skipped: Skipped) -> Iterator[list[str]]:
+    documents = (doc for path in inputs for doc in iter_documents(path, text_field, skipped))
     while chunk := list(islice(documents, CHUNK_DOCUMENTS)):
         yield chunk
 
 
-def _encoded(inputs: list[str], tokenizer: Tokenizer, workers: int,
-             text_field: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _encoded(inputs: list[str | Span], tokenizer: Tokenizer, workers: int, text_field: str,
+             skipped: Skipped) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encoded chunks in input order. Pool.imap would read the whole input ahead of the
     workers, so chunks are submitted by hand, at most two per worker ahead of the writer."""
+    chunks = _chunks(inputs, text_field, skipped)  # read here: ``skipped`` counts in this process
     if workers == 1:
-        yield from (_encode_chunk(tokenizer, chunk) for chunk in _chunks(inputs, text_field))
+        yield from (_encode_chunk(tokenizer, chunk) for chunk in chunks)
         return
     with Pool(workers, _init_worker, (tokenizer.path,)) as pool:
         window: deque[AsyncResult] = deque()
-        for chunk in _chunks(inputs, text_field):
+        for chunk in chunks:
             window.append(pool.apply_async(_encode_in_worker, (chunk,)))
             if len(window) > 2 * workers:
                 yield window.popleft().get()
@@ -120,12 +124,12 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> Written:
     return Written(documents, tokens, (lowest, highest))
 
 
-def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
+def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: str,
                  workers: int = 1, text_field: str = "text") -> dict:
     """Tokenise the documents of ``inputs`` (in order; any format of ``pretrain.data.documents``,
-    text read from ``text_field``) into ``output_prefix``.bin/.idx.
+    or a Span of a JSON-lines file; text read from ``text_field``) into ``output_prefix``.bin/.idx.
 
-    Returns {"documents", "tokens" (EOD included), "dtype", "prefix"}.
+    Returns {"documents", "tokens" (EOD included), "dtype", "prefix", "empty_skipped"}.
     """
     require_creatable(output_prefix, "prepare-data --output", folder=False)
     bin_path, idx_path = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
@@ -142,11 +146,13 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin, tmp_idx = (Path(f"{p}.tmp{os.getpid()}") for p in (bin_path, idx_path))
+    skipped = Skipped()
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
         # closed on any exit, Ctrl-C included: the pool is terminated before the error line,
         # not at interpreter shutdown, where its threads print errors of their own
-        with contextlib.closing(_encoded(inputs, tokenizer, workers, text_field)) as chunks:
+        with contextlib.closing(_encoded(inputs, tokenizer, workers, text_field,
+                                         skipped)) as chunks:
             written = _write(builder, chunks)
         builder.finalize(str(tmp_idx))
         for tmp, final in ((tmp_bin, bin_path), (tmp_idx, idx_path)):
@@ -157,7 +163,8 @@ def prepare_data(inputs: list[str], tokenizer_model: str, output_prefix: str,
     finally:
         tmp_bin.unlink(missing_ok=True)
         tmp_idx.unlink(missing_ok=True)
-    record.write(output_prefix, record.make(output_prefix, written.tokens, written.documents,
-                                            written.ids, tokenizer))
+    made = record.make(output_prefix, written.tokens, written.documents, written.ids, tokenizer)
+    record.write(output_prefix, {**made, "empty_skipped": skipped.empty})
     return {"documents": written.documents, "tokens": written.tokens,
-            "dtype": np.dtype(dtype).name, "prefix": output_prefix}
+            "dtype": np.dtype(dtype).name, "prefix": output_prefix,
+            "empty_skipped": skipped.empty}

@@ -3,14 +3,17 @@ processes or slurm array tasks, then merged into one prefix or kept as a blend.
 
 Shard k holds a contiguous run of the inputs, in order, cut so the shards have about equal
 bytes: the same inputs always give the same shards, so each array task can work out its own
-(``--shard k``). A shard is an ordinary prepared dataset, ``PREFIX.shards/shard-KKKKK``, written
-under temporary names and renamed into place, its record last: a rerun skips every shard whose
-record exists, so a failed or preempted array is resumed by submitting it again. The merge is
-megatron's own (``IndexedDatasetBuilder.add_index``): the shards' documents concatenated in
-shard order, which is the inputs' order, so the merged files are byte for byte those a single
-process writes from the same inputs. The shards are removed once the merge is in place. With
-``--blend`` they stay, and the summary gives them as data.prefixes with their token counts as
-data.weights (a blend that reads each shard in proportion to its size).
+(``--shard k``). With at least as many files as shards a shard is a run of whole files; with
+fewer (one large file), the inputs' bytes are cut into equal parts, each moved to the next line
+start, which JSON-lines files allow (one record per line; :func:`cut_lines`). A shard is an
+ordinary prepared dataset, ``PREFIX.shards/shard-KKKKK``, written under temporary names and
+renamed into place, its record last: a rerun skips every shard whose record exists, so a failed
+or preempted array is resumed by submitting it again. The merge is megatron's own
+(``IndexedDatasetBuilder.add_index``): the shards' documents concatenated in shard order, which
+is the inputs' order, so the merged files are byte for byte those a single process writes from
+the same inputs. The shards are removed once the merge is in place. With ``--blend`` they stay,
+and the summary gives them as data.prefixes with their token counts as data.weights (a blend
+that reads each shard in proportion to its size).
 """
 
 from __future__ import annotations
@@ -24,12 +27,15 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from pretrain.data import record
+from pretrain.data.documents import Span, can_cut, require_data_input
 from pretrain.data.prepare import prepare_data
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.paths import require_creatable
 from runtime.errors import ConfigError, DataError
 
 GLOB_CHARACTERS = "*?["
+# Bytes read at a time looking for the end of a line.
+LINE_BLOCK = 1 << 16
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
@@ -47,11 +53,13 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return files
 
 
-def split_inputs(inputs: list[str], shards: int) -> list[list[str]]:
-    """``shards`` contiguous runs of ``inputs`` of about equal bytes, none empty."""
-    if not 1 <= shards <= len(inputs):
-        raise ConfigError(f"prepare-data --shards ({shards}) must be between 1 and the number "
-                          f"of input files ({len(inputs)}): a shard is a run of whole files")
+def split_inputs(inputs: list[str], shards: int) -> list[list[str | Span]]:
+    """``shards`` contiguous runs of ``inputs`` of about equal bytes, none empty: runs of whole
+    files, or with fewer files than shards, runs of lines (:func:`cut_lines`)."""
+    if shards < 1:
+        raise ConfigError(f"prepare-data --shards ({shards}) must be >= 1")
+    if shards > len(inputs):
+        return cut_lines(inputs, shards)
     sizes = np.array([_size(path) for path in inputs], dtype=np.float64)
     ends = np.cumsum(sizes)
     groups, first = [], 0
@@ -64,6 +72,54 @@ def split_inputs(inputs: list[str], shards: int) -> list[list[str]]:
         groups.append(inputs[first:last])
         first = last
     return groups
+
+
+def cut_lines(inputs: list[str], shards: int) -> list[list[Span]]:
+    """The inputs' bytes, one stream in order, cut into ``shards`` parts of about equal size:
+    shard k reads from the first line start at or after byte k/shards of the stream up to the
+    first line start at or after byte (k+1)/shards. Every line is read by exactly one shard,
+    in order, so the shards' documents, concatenated, are the inputs' documents."""
+    for path in inputs:
+        require_data_input(path)
+    uncut = [path for path in inputs if not can_cut(path)]
+    if uncut:
+        raise ConfigError(f"prepare-data --shards ({shards}) is more than the input files "
+                          f"({len(inputs)}), so they must be cut between lines, which only "
+                          f"uncompressed JSON-lines files (.jsonl, .json) can be, and "
+                          f"'{uncut[0]}' is not one; give at most --shards {len(inputs)}")
+    sizes = [os.path.getsize(path) for path in inputs]
+    starts = np.cumsum([0, *sizes])  # where each file begins in the stream
+    total = int(starts[-1])
+    cuts = [(0, 0)]  # (file, offset): where each shard begins, then the end
+    for k in range(1, shards):
+        at = total * k // shards
+        i = int(np.searchsorted(starts, at, side="right")) - 1
+        cuts.append((i, line_start(inputs[i], at - int(starts[i]))))
+    cuts.append((len(inputs) - 1, sizes[-1]))
+    groups = []
+    for k, ((first, begin), (last, end)) in enumerate(zip(cuts, cuts[1:], strict=False)):
+        spans = [Span(inputs[i], begin if i == first else 0, end if i == last else sizes[i])
+                 for i in range(first, last + 1)]
+        spans = [span for span in spans if span.end > span.begin]
+        if not spans:
+            raise ConfigError(f"prepare-data --shards ({shards}) cuts the inputs every "
+                              f"~{total // shards:,} bytes, and shard {k} would begin and end "
+                              f"inside one line of '{inputs[first]}'; give fewer shards")
+        groups.append(spans)
+    return groups
+
+
+def line_start(path: str, offset: int) -> int:
+    """The first line start at or after byte ``offset`` of ``path`` (its size if none is)."""
+    if offset == 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)  # offset is a line start when the byte before it ends a line
+        while block := f.read(LINE_BLOCK):
+            newline = block.find(b"\n")
+            if newline >= 0:
+                return f.tell() - len(block) + newline + 1
+        return f.tell()
 
 
 def _size(path: str) -> int:
@@ -111,9 +167,11 @@ def prepare_sharded(inputs: list[str], tokenizer_model: str, output_prefix: str,
                       text_field)
     prefixes = [shard_prefix(output_prefix, k) for k in range(shards)]
     if blend:
-        tokens = [record.read(p)["tokens"] for p in prefixes]
+        records = [record.read(p) for p in prefixes]
+        tokens = [r["tokens"] for r in records]
         return {"prefixes": prefixes, "weights": tokens, "tokens": sum(tokens),
-                "documents": sum(record.read(p)["documents"] for p in prefixes)}
+                "documents": sum(r["documents"] for r in records),
+                "empty_skipped": sum(r.get("empty_skipped", 0) for r in records)}
     return merge(prefixes, output_prefix, tokenizer_model)
 
 
@@ -151,10 +209,12 @@ def merge(prefixes: list[str], output_prefix: str, tokenizer_model: str) -> dict
     tokens = sum(r["tokens"] for r in records)
     documents = sum(r["documents"] for r in records)
     ids = (min(r["min_id"] for r in records), max(r["max_id"] for r in records))
-    record.write(output_prefix, record.make(output_prefix, tokens, documents, ids, tokenizer))
+    empty = sum(r.get("empty_skipped", 0) for r in records)  # 0: a shard made before it counted
+    made = record.make(output_prefix, tokens, documents, ids, tokenizer)
+    record.write(output_prefix, {**made, "empty_skipped": empty})
     shutil.rmtree(Path(prefixes[0]).parent)
     return {"documents": documents, "tokens": tokens, "dtype": np.dtype(dtype).name,
-            "prefix": output_prefix}
+            "prefix": output_prefix, "empty_skipped": empty}
 
 
 def prepare_command(inputs: list[str], tokenizer_model: str, output_prefix: str, workers: int,

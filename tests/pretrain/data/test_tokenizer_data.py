@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.datasets.utils import Split
 
 from pretrain.data import prepare
-from pretrain.data.documents import iter_documents
+from pretrain.data.documents import Skipped, iter_documents
 from pretrain.data.prepare import prepare_data
 from pretrain.data.tokenizer import (
     BOS,
@@ -142,6 +142,25 @@ def test_iter_documents(tmp_path):
     lines = [{"text": "one\n two"}, {"text": ""}, {"text": "three", "id": 3}]
     jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n", encoding="utf-8")
     assert list(iter_documents(str(jsonl))) == ["one\n two", "three"]
+    skipped = Skipped()
+    assert list(iter_documents(str(jsonl), skipped=skipped)) == ["one\n two", "three"]
+    assert skipped.empty == 2  # the empty text and the blank line at the end
+
+
+def test_prepare_data_counts_the_empty_documents_it_skips(tokenizers, tmp_path):
+    """Blank lines of a JSON-lines file and empty texts are skipped, as before, and now counted
+    in the summary (the line prepare-data prints) and in the dataset's record."""
+    jsonl = tmp_path / "gaps.jsonl"
+    lines = ["", json.dumps({"text": "first"}), "  ", json.dumps({"text": ""}),
+             json.dumps({"text": "second"}), "\r", ""]
+    jsonl.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    text = tmp_path / "paragraphs.txt"  # blank lines between paragraphs separate, not skip
+    text.write_text("third\n\n\nfourth\n", encoding="utf-8")
+    summary = prepare_data([str(jsonl), str(text)], tokenizers["bpe"].path,
+                           str(tmp_path / "gaps"))
+    assert (summary["documents"], summary["empty_skipped"]) == (4, 5)
+    made = json.loads((tmp_path / "gaps.record.json").read_text())
+    assert (made["documents"], made["empty_skipped"]) == (4, 5)
 
 
 # --- prepare-data and megatron compatibility ----------------------------------------------
@@ -159,7 +178,7 @@ def test_prepare_data_reads_back(tokenizers, corpus, tmp_path, monkeypatch):
     two = prepare_data(inputs, tok.path, str(tmp_path / "w2"), workers=2)
     expected = [tok.encode(doc) + [tok.eod] for doc in documents]
     assert one == {"documents": len(documents), "tokens": sum(map(len, expected)),
-                   "dtype": "uint16", "prefix": str(tmp_path / "w1")}
+                   "dtype": "uint16", "prefix": str(tmp_path / "w1"), "empty_skipped": 0}
     assert two["tokens"] == one["tokens"]
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
