@@ -67,8 +67,14 @@ class ModelConfig:
     """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln | hc | periln |
     olmo2 (each scheme's equations are in its layer's docstring, model/layers)."""
     num_layers: int = 2
+    """Transformer blocks, each an attention and an MLP sublayer (L in the schemes'
+    equations); parallel.pp x parallel.vp must divide it."""
     hidden_size: int = 64
+    """Width of the embeddings and of each residual stream (two-stream schemes carry two of
+    this width, hc carries hc_rate)."""
     num_attention_heads: int = 4
+    """Query heads; each has hidden_size / num_attention_heads channels, so it must divide
+    hidden_size (and parallel.tp must divide it)."""
     num_query_groups: int | None = None
     """Grouped-query attention: number of K/V heads (default: one per query head)."""
     ffn_hidden_size: int | None = None
@@ -76,25 +82,43 @@ class ModelConfig:
     vocab_size: int = 256
     """Tokenizer vocabulary; the embedding is padded to make_vocab_size_divisible_by."""
     make_vocab_size_divisible_by: int = 128
+    """The embedding and output layer hold vocab_size rounded up to a multiple of this (not
+    of the parallel layout, so a checkpoint reshards); parallel.tp must divide the result."""
     seq_length: int = 64
     """Longest sequence the model accepts (learned position table size)."""
     normalization: Normalization = Normalization.RMSNORM
+    """rmsnorm | layernorm: the kind of every norm of the model (the scheme's, the Q/K head
+    norms, the final one)."""
     norm_eps: float = 1e-5
+    """Epsilon added to the variance in every norm."""
     norm_bias: bool = False
     """layernorm only: every LayerNorm (Q/K/V head norms included) has a learnable bias. Off
     by default, as in the official SiameseNorm configs (``include_bias`` false)."""
     activation: Activation = Activation.SWIGLU
+    """swiglu | gelu: the MLP's activation. swiglu is gated: fc1 computes a gate and a value
+    of ffn_hidden_size each, SiLU(gate) x value goes to fc2; gelu is the exact GELU."""
     position_embedding: PositionEmbedding = PositionEmbedding.ROPE
+    """rope | learned_absolute: rotary embeddings of Q and K in every attention, or a learned
+    table of seq_length positions added to the token embeddings."""
     rotary_base: int = 10000
+    """rope only: the base of the rotary frequencies (theta)."""
     add_bias_linear: bool = False
+    """Every linear layer (QKV, the attention output, both MLP layers) has a bias. Off, as in
+    the official SiameseNorm configs."""
     untie_embeddings_and_output_weights: bool = True
+    """true: the output layer has its own weights; false: it reuses the input embedding's."""
     init_method_std: float = 0.02
+    """Standard deviation of the normal draws of random weights (output projections scaled
+    down with depth; the rules per weight are in model/init.py)."""
     init: InitMethod = InitMethod.NORMAL
     """normal | full_megatron: how random weights are drawn (model.schemes.InitMethod). Either way
     every weight is a function of run.seed and its checkpoint key only (model/init.py), so all
     parallel layouts start from the same model."""
     hidden_dropout: float = 0.0
+    """Dropout probability on the embeddings and on each sublayer's output before it joins the
+    residual stream."""
     attention_dropout: float = 0.0
+    """Dropout probability on the attention probabilities."""
     attention_backend: AttentionBackend = AttentionBackend.AUTO
     """auto | sdpa | local | te: core attention. sdpa: torch's fused scaled_dot_product_attention;
     local: megatron's DotProductAttention (materialises the s x s scores); te: Transformer
@@ -217,7 +241,13 @@ class ParallelConfig:
     vp: int | None = None
     """Virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B."""
     sequence_parallel: bool = False
+    """Megatron's sequence parallelism: with parallel.tp > 1, the activations outside the
+    tensor-parallel matmuls (norms, dropout, residual adds) are split along the sequence over
+    the tensor-parallel ranks, which saves their memory at the same communication volume."""
     recompute: Recompute = Recompute.NONE
+    """none | selective | full: activation recomputation in the backward pass. selective
+    recomputes megatron's core attention; full recomputes whole blocks, keeping only their
+    inputs, in chunks of recompute_num_layers (docs/memory.md)."""
     recompute_num_layers: int = 1
     """With full recompute: layers per checkpointed chunk."""
     distributed_optimizer: bool = True

@@ -1,7 +1,7 @@
 """``python -m pretrain <command>``: tokenizers, data, training, evaluation, text, export.
 
 Commands: train-tokenizer, prepare-data, train, eval, generate, export-hf, lm-eval,
-report.
+report, explain.
 
 User mistakes (config, data, checkpoint, command line) print one ``error:`` line and exit 2;
 an aborted run (e.g. repeated NaN/Inf) exits 3; a rank the hang watchdog ended
@@ -26,7 +26,7 @@ import os  # noqa: E402
 from pretrain import arguments  # noqa: E402
 from pretrain.report import console  # noqa: E402
 from runtime.errors import CheckpointError, DataError, UserError  # noqa: E402
-from runtime.launcher import report_error  # noqa: E402
+from runtime.launcher import launch_rank, report_error  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +70,11 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
                                          args.text_field, args.shards, args.shard,
                                          args.blend)))
         return 0
+    if args.command == "explain":  # reads the config classes only
+        from pretrain.report.config_reference import explain
+
+        print(explain(args.field))
+        return 0
     if args.command == "report":  # reads files only: no torch, no process group
         from pretrain.report.run_report import write_report
 
@@ -78,6 +83,8 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
     from pretrain.config import load_config
 
+    if args.command in ("train", "eval"):  # one copy of the start-up lines, not one per rank
+        console.quiet_other_ranks(launch_rank() == 0, keep_warnings=False)
     path = args.config or arguments.run_folder_config(args, overrides)
     planning = args.command == "train" and args.dry_run
     # the launch's world size, for the commands that build process groups (the dry run asks
@@ -89,7 +96,7 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
         from pretrain.report.dry_run import dry_run
         from pretrain.train.loop import check_before_start
 
-        if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank
+        if launch_rank() == 0:  # under torchrun: one copy, not one per rank
             print(dry_run(config), flush=True)
         # then every check a real start makes before its first step: the plan is shown even
         # where the data is not (a login node), and the exit status says whether a start

@@ -20,7 +20,9 @@ Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
   (--data.prefixes=data/a --data.prefixes=data/b), or TOML (--data.prefixes='["data/a"]');
   --data.weights=0.3,0.7. Megatron-LM's weighted form ["0.3", "data/a", "0.7", "data/b"] is
   accepted too. Sections: model, parallel, optim, data, run, guard, logging, kernels,
-  diagnostics, eval; every field is documented in model/config.py and pretrain/config.py.
+  diagnostics, eval; what a field means, with its type, default and allowed values:
+  python -m pretrain explain optim.lr (a section's fields: explain optim); every field:
+  docs/config.md.
 Without --config, train, eval and generate use the config.toml of the run folder named by
 --run.dir (eval and generate: the run folder holding --checkpoint)."""
 # read a checkpoint, take config overrides
@@ -94,6 +96,10 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--top-k", type=int, default=0, help="0: off")
             c.add_argument("--top-p", type=float, default=1.0, help="1: off")
             c.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+    e = sub.add_parser("explain", help="what a config field means: its description, type, "
+                                       "default and allowed values (all: docs/config.md)")
+    e.add_argument("field", metavar="FIELD",
+                   help="a config field as section.key (optim.lr), or a section (optim)")
     r = sub.add_parser("report", help="a run's curves as PNGs and one HTML page (no W&B needed)")
     r.add_argument("run_dir", metavar="RUN_DIR", help="a run folder (it holds metrics.jsonl)")
     r.add_argument("--output", help="folder for the PNGs and report.html (default RUN_DIR/report)")

@@ -75,9 +75,14 @@ class OptimConfig:
     """decay_style wsd: the shape of the final decay: linear, cosine, or minus_sqrt
     (1 - sqrt(fraction of the decay done))."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, constant over the run; biases and every 1-D parameter
+    (norm weights) get none (megatron's rule)."""
     beta1: float = 0.9
+    """Adam's decay rate of the gradient's running mean (first moment)."""
     beta2: float = 0.95
+    """Adam's decay rate of the squared gradient's running mean (second moment)."""
     eps: float = 1e-8
+    """Added to the square root of the second moment in Adam's denominator."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     fused: bool = True
@@ -109,6 +114,9 @@ class DataConfig:
     seq_length: int = 0
     """Tokens per training sequence (0: model.seq_length, the longest the model accepts)."""
     micro_batch_size: int = 4
+    """Sequences one forward and backward pass takes on each data-parallel rank; a step
+    accumulates global_batch_size / (micro_batch_size x data-parallel size) of them. Sets
+    activation memory, not the training result."""
     global_batch_size: int = 8
     """Sequences per optimizer step (micro-batches are accumulated to reach it)."""
     cache_dir: str = ""
@@ -206,9 +214,17 @@ class RunConfig:
     """Length, evaluation, checkpointing and safety limits of one run."""
 
     dir: str = "runs/default"
+    """The run folder: config, metrics, checkpoints (docs/run-folder.md). A start whose
+    run folder holds a checkpoint resumes from the newest one."""
     steps: int = 100
+    """Optimizer steps the run trains; the learning-rate schedule ends here. Raise it on a
+    resume (with optim.override_schedule) to extend a run."""
     seed: int = 1234
+    """Seeds the initial weights (each drawn from the seed and its name, the same under every
+    parallel layout), the order of the training samples and dropout."""
     log_interval: int = 1
+    """Every this many steps (and at the last), a record to metrics.jsonl and W&B, the
+    stragglers' measurement and, off a terminal, one progress line."""
     eval_interval: int = 50
     """Validate every this many steps (and at the start and the end), on the whole validation
     set (data.valid_samples)."""
@@ -301,8 +317,12 @@ class LoggingConfig:
     (WANDB_RUN_GROUP) and name (WANDB_NAME, else the run folder's name): a value set here wins
     over W&B's own variable (pretrain/report/wandb_settings.py)."""
     entity: str = ""
+    """W&B entity (user or team); empty: WANDB_ENTITY, else the account's default."""
     group: str = ""
+    """W&B run group; empty: WANDB_RUN_GROUP, else none."""
     name: str = ""
+    """W&B run name, also the title of the run's report; empty: WANDB_NAME, else the run
+    folder's name."""
     peak_tflops: float = 0.0
     """The accelerator's dense bf16 peak TFLOP/s for MFU (0: known from the device name; no
     MFU is reported for a device not in pretrain.report.throughput.PEAK_TFLOPS)."""
@@ -336,6 +356,7 @@ class DiagnosticsConfig:
     """A step whose loss exceeds this factor x the median of the last spike_window losses is
     logged as a loss-spike event."""
     spike_window: int = 50
+    """Recent losses whose median a step's loss is compared with (spike_factor)."""
 
 
 @dataclass

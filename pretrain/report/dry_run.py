@@ -167,6 +167,11 @@ def parameter_count(model: ModelConfig, seed: int) -> int:
             parallel.destroy()
 
 
+# Above the resolved config: a comment, so the printed config stays TOML a user can copy.
+REFERENCE_HINT = ("# what each field means: python -m pretrain explain SECTION.KEY "
+                  "(e.g. optim.lr); every field: docs/config.md")
+
+
 def dry_run(config: Config, world_size: int | None = None) -> str:
     """World size: ``world_size``, else $WORLD_SIZE, else one data-parallel replica."""
     p, d, m = config.parallel, config.data, config.model
@@ -182,6 +187,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     weights_gb = per_gpu_params * (2 + 4 + state_bytes) / 2**30
     activations_gb = activation_bytes(config, dp) / 2**30
     lines = [
+        REFERENCE_HINT,
         to_toml(config).rstrip(),
         "",
         f"parameters: {params:,} ({human(params)})",

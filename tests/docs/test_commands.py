@@ -18,8 +18,9 @@ What is checked, for real but without running anything:
   ``python -m pretrain ...`` (and the arguments of ``launch.finished``, ``launch/torchrun.sh``,
   the slurm batch scripts and ``torchrun -m pretrain``) parse with
   ``pretrain.arguments.parser()``, every argument it does not know being a
-  ``--section.key=value`` override of a real config field; the ``--long`` options given to the
-  repository's other modules and scripts are ones their argparse parsers define;
+  ``--section.key=value`` override of a real config field, and ``explain X`` names a real field
+  or section; the ``--long`` options given to the repository's other modules and scripts are
+  ones their argparse parsers define;
 - ``bash P``, ``sbatch P``, ``torchrun P``, ``python P.py``: the script exists;
 - every ``--config`` file and every path under the source folders (``configs/``, ``scripts/``,
   ``launch/``, ``tests/``...) exists, globs match something, and ``for`` loops are expanded so
@@ -408,6 +409,14 @@ class Checker:
             elif not self.override(token):
                 self.problem(f"{token!r} is neither an argument of {parsed.command} nor a "
                              "--section.key=value override")
+        if parsed.command == "explain":  # the field or section a page explains exists
+            from pretrain.report.config_reference import explain
+            from runtime.errors import ConfigError
+
+            try:
+                explain(parsed.field)
+            except ConfigError as err:
+                self.problem(f"python -m {module} {' '.join(args)}: {err}")
         self.config_file(getattr(parsed, "config", None))
         self.paths(args)
 
