@@ -50,12 +50,13 @@ def tokenizer_for(config: Config) -> Tokenizer:
     return tokenizer
 
 
-def preflight(config: Config) -> Tokenizer:
+def preflight(config: Config, training: bool = True) -> Tokenizer:
     """Every check that needs no process group or model, beyond the config's own (validated
     when it was loaded, with the launch's world size): the tokenizer against the model, the
-    data; so a mistake fails in seconds. Returns the tokenizer."""
+    data (``training``: with what a training run reads of it); so a mistake fails in seconds.
+    Returns the tokenizer."""
     tokenizer = tokenizer_for(config)
-    check_data(config, tokenizer)
+    check_data(config, tokenizer, training)
     return tokenizer
 
 

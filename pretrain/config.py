@@ -640,10 +640,6 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         first_step = o.lr / (1 - o.beta1)  # Adam's bias-corrected step size at step 1
         require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be < "
                 f"{FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
-    else:
-        require(d.valid_samples >= 1 or bool(d.valid_sets), f"data.valid_samples "
-                f"({d.valid_samples}) must be >= 1 to evaluate (e.g. "
-                "--data.valid_samples=1024), or data.valid_sets must name a set")
     if d.cache_dir:
         require_creatable(d.cache_dir, "data.cache_dir")
     require_creatable(r.dir, "run.dir")

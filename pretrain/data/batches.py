@@ -72,18 +72,19 @@ def _check_index_size(config: Config) -> None:
             f"({human(memory)}B); lower run.steps")
 
 
-def check_data(config: Config, tokenizer) -> None:
+def check_data(config: Config, tokenizer, training: bool = True) -> None:
     """Every prefix readable, made by this tokenizer (where its record says), within its
     vocabulary, and giving each split the run reads at least one document, and every further
-    validation set (data.valid_sets) too: checked before the run folder is touched. Logs how
-    many epochs of each prefix the run reads, warning above one."""
+    validation set (data.valid_sets) too: checked before the run folder is touched. When
+    ``training``, logs how many epochs of each prefix the run reads, warning above one; eval
+    reads no training sample, so it hears nothing of the run's epochs or blend shares."""
     data = config.data
     _check_index_size(config)
     if not data.prefixes:
         raise ConfigError("data.prefixes is empty: give at least one dataset prefix (PREFIX of "
                           "PREFIX.bin/.idx, e.g. from prepare-data)")
     wanted = sample_counts(config)
-    weights = blend_weights(data.weights, data.prefixes, wanted[0])
+    weights = blend_weights(data.weights, data.prefixes, wanted[0] if training else 0)
     for prefix in data.prefixes:  # a missing or cut file among many fails before any scan
         check_files(prefix)
     # megatron's own split arithmetic, without building a dataset config (that logs through
@@ -107,7 +108,8 @@ def check_data(config: Config, tokenizer) -> None:
                  "by an older version): the tokenizer is not checked (%s)",
                  count(len(unrecorded), "data prefix"), ", ".join(unrecorded[:3])
                  + (", ..." if len(unrecorded) > 3 else ""))
-    log_epochs(reads)
+    if training:
+        log_epochs(reads)
     _check_valid_set_fits(config, capacity)
     for valid_set in valid_sets(data):
         _check_further_set(config, valid_set, tokenizer)

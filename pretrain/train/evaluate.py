@@ -25,6 +25,7 @@ from pretrain.data.batches import (
 from pretrain.report.metrics import strict_json
 from pretrain.run.checkpoint import run_folder, weights_source
 from runtime import device, weights
+from runtime.errors import ConfigError
 from runtime.schedule import forward_backward
 
 log = logging.getLogger("pretrain")
@@ -35,7 +36,8 @@ def evaluate_checkpoint(config: Config, path: str) -> dict:
     data may be any, so a checkpoint can be scored on other validation data. The result is
     appended to ``eval.jsonl`` of the checkpoint's run folder, next to what it describes, with
     the tokenizer file it used (the checkpoint accepts any with its content, at any path)."""
-    tokenizer = preflight(config)
+    require_validation(config)
+    tokenizer = preflight(config, training=False)
     found = weights_source(path, config)
     chunks = setup(config)
     weights.load(chunks, found)
@@ -51,6 +53,24 @@ def evaluate_checkpoint(config: Config, path: str) -> dict:
         except OSError as err:  # a read-only checkpoint is still scored; the result is printed
             log.warning("could not append the result to %s: %s", log_to, err.strerror)
     return result
+
+
+def require_validation(config: Config) -> None:
+    """eval scores validation sets and nothing else: a config without one (a run trained with
+    data.valid_samples = 0 and no data.valid_sets) is refused in one line saying how to give
+    one, rather than answered with an empty result."""
+    if validates(config):
+        return
+    d = config.data
+    if float(d.split.split(",")[1]) > 0:
+        fix = (f"give --data.valid_samples={d.global_batch_size} to score that many sequences "
+               "of the validation split (any multiple of data.global_batch_size), or name a "
+               "held-out dataset in data.valid_sets")
+    else:
+        fix = (f"data.split ({d.split!r}) keeps no validation split either: name a held-out "
+               "dataset in data.valid_sets (NAME=PREFIX[:SAMPLES])")
+    raise ConfigError(f"eval has nothing to evaluate: data.valid_samples is 0 and "
+                      f"data.valid_sets is empty; {fix}")
 
 
 def loss_share(losses: list[torch.Tensor]) -> torch.Tensor:

@@ -285,7 +285,12 @@ class Training:
                 self.progress.message(self.stop.stopped_text(step))
                 return {"stopped_at": step}
         self.progress.close()
-        return self.validate(step) if validates(self.config) else {}
+        if validates(self.config):
+            return self.validate(step)
+        # the result says where the run ended, and the line why it has no validation loss
+        self.progress.message(f"finished at step {step} without validation: "
+                              "data.valid_samples is 0 and data.valid_sets is empty")
+        return {"step": step}
 
     def step(self, step: int, diag) -> tuple[StepStatus, Verdict, float, float]:
         """One optimizer step from ``step`` (0-based): forward and backward over its

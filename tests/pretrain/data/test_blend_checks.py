@@ -1,6 +1,6 @@
 """A blend of many prefixes: one bad file among a hundred, data of another tokenizer, weights
 that do not sum sensibly, each refused in one line naming it before any step; and the epochs
-of each prefix the run reads, with a warning above one."""
+of each prefix the run reads, with a warning above one (for training only: eval reads none)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,16 @@ def test_the_epochs_of_each_prefix_are_said_and_over_one_warned(blend, tmp_path,
     assert f"data: {blend[1]}: 100 training tokens; the run reads 0.64 epochs of them" in lines
     assert (f"the run reads more than one epoch of 1 prefix, so its samples repeat: "
             f"{blend[0]} 1.92") in lines
+
+
+def test_eval_hears_nothing_of_the_training_epochs(blend, tmp_path, caplog):
+    """eval checks the same data but reads no training sample: no epochs line, no warning
+    about samples repeating or a weight's share of the training samples."""
+    caplog.set_level(logging.INFO, logger="pretrain")
+    check_data(_config(blend[:2], tmp_path, "--data.weights=3,1e-9", "--model.seq_length=8"),
+               stub_tokenizer(VOCAB), training=False)
+    said = [r.getMessage() for r in caplog.records]
+    assert not [line for line in said if "epoch" in line or "training samples" in line], said
 
 
 def test_a_large_blend_is_summarised_in_one_line(blend, tmp_path, caplog):

@@ -19,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 from pretrain.config import ValidSet, load_config, valid_sets
 from pretrain.data.batches import _dataset_config, check_data
 from pretrain.data.tokenizer import open_tokenizer
+from pretrain.train.evaluate import require_validation
 from runtime.errors import ConfigError, DataError
 from tests.pretrain_fixtures import REPO, TINY, cli, metrics, train_args
 from tests.wandb_reader import read_run
@@ -78,9 +79,11 @@ def test_without_a_default_set_each_entry_needs_its_size():
 
 
 def test_eval_may_score_further_sets_alone():
-    _load("--data.valid_samples=0", "--data.valid_sets=wiki=data/wiki:8", training=False)
-    with pytest.raises(ConfigError, match=r"data\.valid_samples \(0\) must be >= 1.*valid_sets"):
-        _load("--data.valid_samples=0", training=False)
+    require_validation(_load("--data.valid_samples=0", "--data.valid_sets=wiki=data/wiki:8",
+                             training=False))
+    with pytest.raises(ConfigError, match=r"data\.valid_samples is 0 and data\.valid_sets is "
+                                          r"empty"):
+        require_validation(_load("--data.valid_samples=0", training=False))
 
 
 # --- the data a set holds (in process, on the session's corpus) ---

@@ -15,7 +15,7 @@ from model.builder import build_model, wrap_ddp
 from pretrain.config import load_config
 from pretrain.data.batches import _dataset_config, build_datasets, check_data
 from pretrain.data.tokenizer import open_tokenizer
-from pretrain.train.evaluate import evaluate
+from pretrain.train.evaluate import evaluate, require_validation
 from runtime.errors import ConfigError, DataError
 from tests.pretrain_fixtures import REPO, TINY
 
@@ -104,6 +104,21 @@ def test_bad_validation_set_is_one_line(overrides, fragments):
 
 
 def test_evaluation_needs_a_validation_set():
-    load_config(None, ["--data.valid_samples=0"])  # training without validation is fine
-    with pytest.raises(ConfigError, match=r"data\.valid_samples \(0\) must be >= 1"):
-        load_config(None, ["--data.valid_samples=0"], training=False)
+    """eval, and only eval: training without validation is fine, and so are the checkpoint's
+    other commands (generate, export-hf, lm-eval), which load the config as eval does."""
+    load_config(None, ["--data.valid_samples=0"])
+    config = load_config(None, ["--data.valid_samples=0"], training=False)
+    with pytest.raises(ConfigError) as info:
+        require_validation(config)
+    assert str(info.value) == (
+        "eval has nothing to evaluate: data.valid_samples is 0 and data.valid_sets is empty; "
+        "give --data.valid_samples=8 to score that many sequences of the validation split (any "
+        "multiple of data.global_batch_size), or name a held-out dataset in data.valid_sets")
+    config = load_config(None, ["--data.valid_samples=0", "--data.split=100,0,0"],
+                         training=False)
+    with pytest.raises(ConfigError) as info:
+        require_validation(config)
+    assert str(info.value) == (
+        "eval has nothing to evaluate: data.valid_samples is 0 and data.valid_sets is empty; "
+        "data.split ('100,0,0') keeps no validation split either: name a held-out dataset in "
+        "data.valid_sets (NAME=PREFIX[:SAMPLES])")
