@@ -31,8 +31,9 @@ BUNDLE ?= gpu-bundle
 gpu-bundle: setup
 	$(PY) -m bench.gpu_check.bundle --out $(BUNDLE)
 
-# On a lent GPU (no network; its own python3 has CUDA torch, no venv): the bundle's wheels, then
-# the check in priority order within 8 minutes, each part's JSON in $OUT (else runs/gpu-check).
+# On the GPU machine (no network; its own python3 has CUDA torch, no venv): the bundle's wheels,
+# then the check in priority order within 8 minutes, each part's JSON in $OUT (else
+# runs/gpu-check).
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(BUNDLE)/site $(BUNDLE)/*.whl

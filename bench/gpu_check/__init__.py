@@ -1,9 +1,9 @@
-"""One GPU check that fits a lent GPU's time, prepared and rehearsed on the CPU.
+"""One GPU check in one short command, prepared and rehearsed on the CPU.
 
-A GPU is lent to this project now and then, for 15 minutes in all (the machine's start
-included), with no network. ``python -m bench.gpu_check`` (``make gpu-check``) measures what
-matters in priority order, each part within its own time budget, and writes each part's JSON
-the moment it finishes, so a run cut short still returns everything done so far:
+The check is built for a GPU machine that has no network and may be had for minutes rather
+than hours: ``python -m bench.gpu_check`` (``make gpu-check``) measures what matters in
+priority order, each part within its own time budget, and writes each part's JSON the moment
+it finishes, so a run cut short still returns everything done so far:
 
 1. the environment and a calibration (device copy GB/s, bf16 GEMM TFLOP/s);
 2. the gpu-marked correctness tests, pass/fail per test;

@@ -1,10 +1,10 @@
 """The check's parts in priority order, each with its own time budget, and the loop that runs
 them within the whole run's budget, writing every part's JSON the moment it is known.
 
-A lent GPU gives one run of at most 10 minutes inside 15 minutes that also pay for the
-machine's start; the check gets 8 of them by default. A part that the remaining time cannot
-fit (less left than it ``needs``) is recorded as skipped, with the reason, rather than started
-and cut; a part that fails is recorded with its error and the next one runs.
+The check is one command; its budget is 8 minutes by default (``--budget``), so that with
+installing the bundle it ends within 10. A part that the remaining time cannot fit (less left
+than it ``needs``) is recorded as skipped, with the reason, rather than started and cut; a
+part that fails is recorded with its error and the next one runs.
 """
 
 from __future__ import annotations

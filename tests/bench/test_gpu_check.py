@@ -1,7 +1,7 @@
 """The GPU check (bench/gpu_check): its budget loop, its bundle check, the results pages and
 the docs' GPU tables in step with the newest results file, and (slow) the whole check
-rehearsed on the CPU and the bundle built from PyPI, so the command a lent GPU runs cannot rot
-between loans."""
+rehearsed on the CPU and the bundle built from PyPI, so the command a GPU machine runs cannot
+rot between GPU runs."""
 
 from __future__ import annotations
 
