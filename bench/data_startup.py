@@ -111,7 +111,8 @@ def worker(spec: dict) -> dict:
     began = time.perf_counter()
     from model.config import ParallelConfig
     from pretrain.config import load_config
-    from pretrain.data.batches import build_datasets, check_data, step_microbatches
+    from pretrain.data.batches import build_datasets, step_microbatches
+    from pretrain.data.checks import check_data
     from pretrain.data.position import DataPosition
     from runtime import cpu_compat, parallel
 

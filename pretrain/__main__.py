@@ -26,7 +26,7 @@ import os  # noqa: E402
 from pretrain import arguments  # noqa: E402
 from pretrain.report import console  # noqa: E402
 from runtime.errors import CheckpointError, DataError, UserError  # noqa: E402
-from runtime.launcher import report_error  # noqa: E402
+from runtime.launcher import launch_rank, report_error  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +83,8 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
     from pretrain.config import load_config
 
+    if args.command in ("train", "eval"):  # one copy of the start-up lines, not one per rank
+        console.quiet_other_ranks(launch_rank() == 0, keep_warnings=False)
     path = args.config or arguments.run_folder_config(args, overrides)
     planning = args.command == "train" and args.dry_run
     # the launch's world size, for the commands that build process groups (the dry run asks
@@ -94,7 +96,7 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
         from pretrain.report.dry_run import dry_run
         from pretrain.train.loop import check_before_start
 
-        if os.environ.get("RANK", "0") == "0":  # under torchrun: one copy, not one per rank
+        if launch_rank() == 0:  # under torchrun: one copy, not one per rank
             print(dry_run(config), flush=True)
         # then every check a real start makes before its first step: the plan is shown even
         # where the data is not (a login node), and the exit status says whether a start

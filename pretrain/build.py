@@ -17,7 +17,7 @@ from model.backends import AttentionBackend
 from model.builder import build_model, wrap_ddp
 from model.config import ModelConfig
 from pretrain.config import Config, ParamsDtype
-from pretrain.data.batches import check_data
+from pretrain.data.checks import check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.report import console
 from runtime import device, parallel

@@ -176,7 +176,7 @@ class ValidSet(NamedTuple):
 def valid_sets(data: DataConfig) -> list[ValidSet]:
     """data.valid_sets parsed; a malformed entry, a bad name or sample count, or a name used
     twice is one ConfigError line naming the entry. Whether each prefix exists and holds its
-    samples is checked with the data (pretrain.data.batches.check_data)."""
+    samples is checked with the data (pretrain.data.checks.check_data)."""
     found: list[ValidSet] = []
     for entry in data.valid_sets:
         one = _valid_set(entry, data)

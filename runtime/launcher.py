@@ -29,6 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_rank() -> int:
+    """This process's global rank as its launcher numbered it (0 without one): known before
+    any process group exists, when every rank runs the same start-up checks."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def report_error(message: str) -> None:
     """``error: MESSAGE`` on stderr once per launch, not once per rank: every rank meets the
     same mistake (each reads the same config, data and checkpoint). Under torchrun each rank
@@ -42,5 +48,5 @@ def report_error(message: str) -> None:
         stamp = str(int(time.time()))
         with open(error_file, "w") as f:
             json.dump({"message": {"message": line, "extraInfo": {"timestamp": stamp}}}, f)
-    if os.environ.get("RANK", "0") == "0" or not error_file:
+    if launch_rank() == 0 or not error_file:
         print(line, file=sys.stderr)

@@ -13,8 +13,6 @@ non-atomically, so a killed start can leave a truncated file that it would trust
 from __future__ import annotations
 
 import logging
-import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,28 +21,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from model.documents import attention_mask, document_ids
 from pretrain.config import Config, ValidSet, valid_sets
-from pretrain.data.epochs import Reading, blend_weights, log_epochs
 from pretrain.data.position import START, DataPosition
-from pretrain.data.verify import check_dataset, check_files
-from pretrain.report.units import count, human
 from runtime import device
-from runtime.errors import ConfigError, DataError
 
 log = logging.getLogger("pretrain")
-
-
-# Bytes of megatron's sample index per training sample (sample, shuffle and blending
-# indices, int64 each, plus the document index), for the up-front size check.
-INDEX_BYTES_PER_SAMPLE = 40
 
 
 def sample_counts(config: Config, position: DataPosition = START) -> tuple[int, int]:
@@ -56,63 +40,6 @@ def sample_counts(config: Config, position: DataPosition = START) -> tuple[int, 
     d = config.data
     train = position.advance(config.run.steps, d.global_batch_size, config.seq_length).samples
     return train, d.valid_samples
-
-
-def _check_index_size(config: Config) -> None:
-    """An absurd run.steps makes megatron build a sample index larger than memory (hours of
-    silence, then an out-of-memory kill): refuse it with the estimate."""
-    samples = sum(sample_counts(config))
-    need = samples * INDEX_BYTES_PER_SAMPLE
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > memory:
-        raise ConfigError(
-            f"run.steps ({config.run.steps:,}) x data.global_batch_size "
-            f"({config.data.global_batch_size}) needs {samples:,} samples, whose index would "
-            f"take ~{human(need)}B, more than this machine's memory "
-            f"({human(memory)}B); lower run.steps")
-
-
-def check_data(config: Config, tokenizer, training: bool = True) -> None:
-    """Every prefix readable, made by this tokenizer (where its record says), within its
-    vocabulary, and giving each split the run reads at least one document, and every further
-    validation set (data.valid_sets) too: checked before the run folder is touched. When
-    ``training``, logs how many epochs of each prefix the run reads, warning above one; eval
-    reads no training sample, so it hears nothing of the run's epochs or blend shares."""
-    data = config.data
-    _check_index_size(config)
-    if not data.prefixes:
-        raise ConfigError("data.prefixes is empty: give at least one dataset prefix (PREFIX of "
-                          "PREFIX.bin/.idx, e.g. from prepare-data)")
-    wanted = sample_counts(config)
-    weights = blend_weights(data.weights, data.prefixes, wanted[0] if training else 0)
-    for prefix in data.prefixes:  # a missing or cut file among many fails before any scan
-        check_files(prefix)
-    # megatron's own split arithmetic, without building a dataset config (that logs through
-    # torch.distributed, which does not exist yet at this point)
-    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split))
-    capacity, unrecorded, reads = [], [], []
-    for prefix, weight in zip(data.prefixes, weights, strict=True):
-        checked = check_dataset(prefix, tokenizer)
-        if checked.tokenizer is None:
-            unrecorded.append(prefix)
-        _check_split_not_empty(prefix, checked.documents, data.split, split_matrix, wanted)
-        lengths = _sequence_lengths(prefix)
-        train_tokens = _split_tokens(lengths, split_matrix[0])
-        reads.append(Reading(prefix, train_tokens,
-                             wanted[0] * weight * config.seq_length / max(train_tokens, 1)))
-        if data.valid_samples:
-            capacity.append((prefix, weight, _split_sequences(config, lengths,
-                                                              split_matrix[1])))
-    if unrecorded:
-        log.info("%s without a record of the tokenizer that made them (made elsewhere, or "
-                 "by an older version): the tokenizer is not checked (%s)",
-                 count(len(unrecorded), "data prefix"), ", ".join(unrecorded[:3])
-                 + (", ..." if len(unrecorded) > 3 else ""))
-    if training:
-        log_epochs(reads)
-    _check_valid_set_fits(config, capacity)
-    for valid_set in valid_sets(data):
-        _check_further_set(config, valid_set, tokenizer)
 
 
 def _dataset_config(config: Config, tokenizer, **source) -> GPTDatasetConfig:
@@ -189,101 +116,6 @@ def drop_damaged_cache(folder: Path) -> None:
                         path)
             for member in folder.glob(f"{group}-*"):
                 member.unlink(missing_ok=True)
-
-
-def _check_split_not_empty(prefix: str, documents: int, split: str, split_matrix,
-                           wanted: tuple[int, int]) -> None:
-    """megatron splits each prefix by document, rounding ``share * documents``; a split that
-    gets no document but is asked for samples makes GPTDataset loop forever looking for
-    tokens (and a zero share returns no dataset at all). Catch both here, with the numbers the
-    user can change. ``wanted`` is the (train, valid) sample count the run will read."""
-    for name, bounds, samples in zip(("train", "valid"), split_matrix, wanted, strict=False):
-        if samples == 0:
-            continue
-        first, last = (int(round(b * documents)) for b in bounds or (0.0, 0.0))
-        if last <= first:
-            raise DataError(
-                f"data.split ({split!r}) gives the {name} split of '{prefix}' no document "
-                f"({documents} documents in all); add documents or raise its share")
-
-
-def _sequence_lengths(prefix: str) -> np.ndarray:
-    """The token count of every sequence of ``prefix`` (megatron splits a prefix by
-    sequence), read from its .idx."""
-    dataset = IndexedDataset(prefix)  # the lengths are a view of its memory map: copied
-    lengths = np.array(dataset.sequence_lengths, dtype=np.int64)
-    del dataset
-    return lengths
-
-
-def _split_tokens(lengths: np.ndarray, bounds) -> int:
-    """Tokens in the split of a prefix whose sequence lengths are ``lengths``."""
-    if not bounds:
-        return 0
-    first, last = (int(round(b * len(lengths))) for b in bounds)
-    return int(lengths[first:last].sum())
-
-
-def _split_sequences(config: Config, lengths: np.ndarray, bounds) -> int:
-    """Sequences of seq_length the split holds without repeating one: a sample reads
-    seq_length + 1 tokens; consecutive samples share one."""
-    return max(_split_tokens(lengths, bounds) - 1, 0) // config.seq_length
-
-
-def largest_valid_samples(capacity: list[tuple[str, float, int]], global_batch: int) -> int:
-    """The largest data.valid_samples (a multiple of the global batch) for which every prefix
-    (``capacity``: prefix, weight, sequences its split holds) can give its share."""
-    fits = min(available / weight for _, weight, available in capacity)
-    value = int(fits) // global_batch * global_batch
-    while value > 0 and any(math.ceil(value * weight) > available
-                            for _, weight, available in capacity):
-        value -= global_batch  # float rounding at the boundary
-    return value
-
-
-def _check_valid_set_fits(config: Config, capacity: list[tuple[str, float, int]]) -> None:
-    """The validation split of every prefix holds its share of data.valid_samples (megatron
-    asks each prefix for ceil(valid_samples x weight)) without repeating a sample. megatron
-    would make up a shortfall with a second pass over the split, and a repeated sample counts
-    twice in every evaluation; refused instead, naming the largest value that works."""
-    d = config.data
-    for prefix, weight, available in capacity:
-        wanted = math.ceil(d.valid_samples * weight)
-        if available >= wanted:
-            continue
-        largest = largest_valid_samples(capacity, d.global_batch_size)
-        fix = (f"the largest data.valid_samples that fits is {largest} (a multiple of "
-               f"data.global_batch_size {d.global_batch_size}), or raise the validation share"
-               if largest else
-               f"not even one global batch ({d.global_batch_size}) fits: raise the validation "
-               "share or add documents")
-        raise DataError(
-            f"data.valid_samples ({d.valid_samples}) asks '{prefix}' for {wanted} validation "
-            f"sequences of {config.seq_length} tokens, but its validation split (data.split "
-            f"{d.split!r}) holds {available}; {fix}")
-
-
-def _check_further_set(config: Config, valid_set: ValidSet, tokenizer) -> None:
-    """A set of data.valid_sets passes the checks of a training prefix (readable, every token
-    id within the tokenizer's vocabulary: a set tokenised with a larger vocabulary fails
-    here) and holds its sample count without repeating a sample, the default set's rule;
-    refused otherwise, naming the largest count that works."""
-    name, prefix, samples = valid_set
-    try:
-        documents = check_dataset(prefix, tokenizer).documents
-    except DataError as err:
-        raise DataError(f"data.valid_sets '{name}': {err}") from None
-    available = _split_sequences(config, _sequence_lengths(prefix), (0.0, 1.0))
-    if samples <= available:
-        return
-    batch = config.data.global_batch_size
-    largest = available // batch * batch
-    fix = (f"the largest SAMPLES that fits is {largest} (a multiple of "
-           f"data.global_batch_size {batch})" if largest else
-           f"not even one global batch ({batch}) fits: add documents")
-    raise DataError(
-        f"data.valid_sets '{name}' asks '{prefix}' for {samples} validation sequences of "
-        f"{config.seq_length} tokens, but its {documents} documents hold {available}; {fix}")
 
 
 def _collate(samples: list[dict], dataset_config: GPTDatasetConfig) -> dict[str, torch.Tensor]:

@@ -120,10 +120,14 @@ def setup(verbose: bool = False) -> None:
         warnings.filterwarnings("ignore", message=re.escape(text), category=category)
 
 
-def quiet_other_ranks(is_logging_rank: bool) -> None:
-    """Only the rank that holds the loss prints progress; the others keep warnings/errors."""
-    if not is_logging_rank:
-        logging.getLogger("pretrain").setLevel(logging.WARNING)
+def quiet_other_ranks(is_logging_rank: bool, keep_warnings: bool = True) -> None:
+    """Only the rank that holds the loss prints progress; the others keep warnings (unless
+    not ``keep_warnings``) and errors. Called twice by a launch: with the launcher's rank 0
+    and no warnings elsewhere before the process groups exist (every rank runs the same
+    start-up checks, so their lines would repeat once per rank), then with the rank that
+    holds the loss."""
+    quiet = logging.WARNING if keep_warnings else logging.ERROR
+    logging.getLogger("pretrain").setLevel(logging.INFO if is_logging_rank else quiet)
 
 
 def quiet_cpu_notices() -> None:

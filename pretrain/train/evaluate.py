@@ -22,7 +22,8 @@ from pretrain.data.batches import (
     microbatches_per_step,
     step_microbatches,
 )
-from pretrain.report.metrics import strict_json
+from pretrain.report import console
+from pretrain.report.metrics import is_logging_rank, strict_json
 from pretrain.run.checkpoint import run_folder, weights_source
 from runtime import device, weights
 from runtime.errors import ConfigError
@@ -40,6 +41,7 @@ def evaluate_checkpoint(config: Config, path: str) -> dict:
     tokenizer = preflight(config, training=False)
     found = weights_source(path, config)
     chunks = setup(config)
+    console.quiet_other_ranks(is_logging_rank())
     weights.load(chunks, found)
     _, valid = build_datasets(config, tokenizer)
     further = build_valid_sets(config, tokenizer)

@@ -87,6 +87,14 @@ def _damaged_data(root: Path, data: dict) -> None:
                                    ("short-bin", idx, bins[:len(bins) // 2])):
         (root / "data" / f"{name}.idx").write_bytes(new_idx)
         (root / "data" / f"{name}.bin").write_bytes(new_bin)
+    # the same size, 64 bytes of 0xff inside the arrays, its record copied along (what a
+    # user met: the record saw new contents and rescanned; the first step failed)
+    damaged = bytearray(idx)
+    damaged[200:264] = b"\xff" * 64
+    (root / "data" / "ff-idx.idx").write_bytes(bytes(damaged))
+    (root / "data" / "ff-idx.bin").write_bytes(bins)
+    shutil.copy(prefix.with_name(prefix.name + ".record.json"),
+                root / "data" / "ff-idx.record.json")
     (root / "a-folder").mkdir()
     (root / "a-folder.bin").mkdir()
     (root / "a-folder.idx").mkdir()
@@ -347,6 +355,8 @@ EARLY_CASES = {
     "truncated idx": (lambda c: _data(c, "short-idx"), ["short-idx.idx", "truncated"]),
     "text idx": (lambda c: _data(c, "text-idx"), ["text-idx.idx", "not a Megatron index"]),
     "short bin": (lambda c: _data(c, "short-bin"), ["short-bin.bin", "bytes"]),
+    "idx overwritten, same size": (lambda c: _data(c, "ff-idx"),
+                                   ["ff-idx.idx' is damaged: sequence 41 has length -"]),
     "prepare output under a file": (
         lambda c: ["prepare-data", c["data"]["corpus"], "--tokenizer", c["data"]["tokenizer"],
                    "--output", _in(c, "a-file", "out")],

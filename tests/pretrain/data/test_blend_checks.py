@@ -12,7 +12,7 @@ import pytest
 
 from pretrain.config import load_config
 from pretrain.data import record
-from pretrain.data.batches import check_data
+from pretrain.data.checks import check_data
 from runtime.errors import UserError
 from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer
 from tests.pretrain_fixtures import REPO, TINY

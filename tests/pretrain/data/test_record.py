@@ -13,7 +13,7 @@ import pytest
 
 from pretrain.data import record
 from pretrain.data.tokenizer import open_tokenizer
-from pretrain.data.verify import check_dataset
+from pretrain.data.checks import check_dataset
 from runtime.errors import DataError
 from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer
 

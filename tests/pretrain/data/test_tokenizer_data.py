@@ -30,7 +30,7 @@ from pretrain.data.tokenizer import (
     open_tokenizer,
     train_tokenizer,
 )
-from pretrain.data.verify import check_dataset
+from pretrain.data.checks import check_dataset
 from pretrain.unsharded.generate import completion
 from runtime.errors import UserError
 from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer

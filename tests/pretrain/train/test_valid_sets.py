@@ -17,7 +17,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from pretrain.config import ValidSet, load_config, valid_sets
-from pretrain.data.batches import _dataset_config, check_data
+from pretrain.data.batches import _dataset_config
+from pretrain.data.checks import check_data
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.train.evaluate import require_validation
 from runtime.errors import ConfigError, DataError
@@ -194,7 +195,10 @@ def test_a_set_added_on_resume_is_allowed_and_measures_the_same_weights(runs, da
 
 def test_tensor_parallel_gives_the_single_process_value(runs, data, tmp_path):
     run = tmp_path / "tp2"
-    cli(*train_args(data, run, *runs["plain"], runs["extra"], "--parallel.tp=2"), nproc=2)
+    done = cli(*train_args(data, run, *runs["plain"], runs["extra"], "--parallel.tp=2"),
+               nproc=2)
+    # the start-up checks run on every rank; their lines are printed once per launch
+    assert done.stderr.count("training tokens; the run reads") == 1, done.stderr
     single = _validations(runs["root"] / "with")
     sharded = _validations(run)
     assert sorted(sharded) == sorted(single)

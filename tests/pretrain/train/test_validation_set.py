@@ -13,7 +13,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from model.builder import build_model, wrap_ddp
 from pretrain.config import load_config
-from pretrain.data.batches import _dataset_config, build_datasets, check_data
+from pretrain.data.batches import _dataset_config, build_datasets
+from pretrain.data.checks import check_data
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.train.evaluate import evaluate, require_validation
 from runtime.errors import ConfigError, DataError
