@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from kernels.backend import NormBackend, resolve
+from model import decay
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import GPT
 from model.init import initialize
@@ -63,6 +64,7 @@ def build_model(
             vp_stage=vp_stage,
         )
         chunks.append(chunk)
+    decay.assign(chunks, model.residual_scheme)
     # Weights are drawn on the CPU, then move to the device this process computes on. A model
     # built on the meta device (shapes only) stays there.
     if not any(p.is_meta for chunk in chunks for p in chunk.parameters()):

@@ -75,8 +75,9 @@ class OptimConfig:
     """decay_style wsd: the shape of the final decay: linear, cosine, or minus_sqrt
     (1 - sqrt(fraction of the decay done))."""
     weight_decay: float = 0.1
-    """AdamW's decoupled weight decay, constant over the run; biases and every 1-D parameter
-    (norm weights) get none (megatron's rule)."""
+    """AdamW's decoupled weight decay, constant over the run, on weight matrices only (linear
+    layers, embeddings, a scheme's projections): norms, biases, gates, learned scalars and
+    mixing coefficients get none (each parameter's role, model/decay.py)."""
     beta1: float = 0.9
     """Adam's decay rate of the gradient's running mean (first moment)."""
     beta2: float = 0.95

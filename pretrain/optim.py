@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from model import decay
 from pretrain.config import Config, DecayStyle
 from runtime.errors import ConfigError
 from runtime.multi_tensor import foreach_kernels
@@ -31,6 +33,7 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
             use_distributed_optimizer=config.parallel.distributed_optimizer,
         ),
         chunks,
+        config_overrides=decay_overrides(),
     )
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
@@ -45,6 +48,14 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
     if o.fused:
         use_fused_kernels(optimizer)
     return optimizer, scheduler
+
+
+def decay_overrides() -> dict:
+    """megatron's parameter-group overrides: weight decay only where a parameter's role says
+    so (``model.decay``: weight matrices), instead of megatron's shape rule, which decays a
+    learned scalar or an n x n mixing matrix and exempts whatever is one-dimensional."""
+    exempt = ParamPredicate(name="not_decayed", fn=lambda param: not decay.decayed(param))
+    return {ParamKey(predicate=exempt): {"wd_mult": 0.0}}
 
 
 # megatron's name of each decay style.

@@ -30,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from kernels.norms import mark_sequence_parallel
 from model import streams
 from model.config import ModelConfig
+from model.decay import Decay, declare
 from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
 
 DYNAMIC_SCALE_INIT = 0.01
@@ -44,17 +45,20 @@ class HyperConnection(torch.nn.Module):
         self.rate = rate
         width = torch.zeros(rate, dtype=dtype)
         width[index % rate] = 1.0
-        self.width = torch.nn.Parameter(width)                                    # Am
-        self.depth = torch.nn.Parameter(torch.eye(rate, dtype=dtype))             # Ar
-        self.output = torch.nn.Parameter(torch.ones(rate, dtype=dtype))           # B
+        mixing = Decay.MIXING  # static connection weights: never decayed
+        self.width = declare(torch.nn.Parameter(width), mixing)                       # Am
+        self.depth = declare(torch.nn.Parameter(torch.eye(rate, dtype=dtype)), mixing)  # Ar
+        self.output = declare(torch.nn.Parameter(torch.ones(rate, dtype=dtype)), mixing)  # B
         self.dynamic = dynamic
         if dynamic:
             self.norm = build_norm()
             # rows: w_m, then the n columns of W_r, then w_b
-            self.proj = torch.nn.Parameter(torch.zeros(rate + 2, hidden, dtype=dtype))
-            self.width_scale = torch.nn.Parameter(torch.full((), DYNAMIC_SCALE_INIT, dtype=dtype))
-            self.output_scale = torch.nn.Parameter(torch.full((), DYNAMIC_SCALE_INIT,
-                                                              dtype=dtype))
+            self.proj = declare(torch.nn.Parameter(torch.zeros(rate + 2, hidden, dtype=dtype)),
+                                Decay.MATRIX)
+            self.width_scale = declare(torch.nn.Parameter(
+                torch.full((), DYNAMIC_SCALE_INIT, dtype=dtype)), Decay.SCALAR)
+            self.output_scale = declare(torch.nn.Parameter(
+                torch.full((), DYNAMIC_SCALE_INIT, dtype=dtype)), Decay.SCALAR)
         for param in self.parameters(recurse=False):
             # Under sequence parallelism each TP rank sees other tokens: partial gradients.
             mark_sequence_parallel(param, config)

@@ -35,6 +35,7 @@ from kernels.fused import fuse_gate
 from kernels.norms import mark_sequence_parallel
 from model import streams
 from model.config import ModelConfig
+from model.decay import Decay, declare
 from model.layers.base import BranchInputs, LayerChoice
 from model.layers.two_stream import TwoStreamLayer, siamese_params
 from model.schemes import FirstBlock
@@ -66,7 +67,8 @@ class ChannelGate(torch.nn.Module):
 
     def __init__(self, config, hidden_size: int):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
+        self.weight = declare(torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32)),
+                              Decay.GATE)
         mark_sequence_parallel(self.weight, config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
