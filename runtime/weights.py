@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from runtime import checkpoint_reader
 from runtime.errors import CheckpointError
+from runtime.write_results import reported_in_a_file
 
 # torch.distributed.checkpoint wraps read errors in CheckpointException, a BaseException, and
 # megatron raises many other types for a damaged checkpoint.
@@ -36,7 +37,8 @@ def sharded_state(chunks: list) -> dict:
 def save(chunks: list, directory: str | Path) -> None:
     """The model weights alone (tests and tools; runs save through pretrain.run.checkpoint)."""
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(sharded_state(chunks), str(directory))
+    with reported_in_a_file():  # no Manager process (runtime.write_results)
+        dist_checkpointing.save(sharded_state(chunks), str(directory))
 
 
 def first_line(err: BaseException) -> str:

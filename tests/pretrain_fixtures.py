@@ -73,6 +73,15 @@ def popen(args: list[str], gpu: bool = False) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def in_session(cmd: list[str], log: Path, extra_env: dict | None = None,
+               **popen_kwargs) -> subprocess.Popen:
+    """``cmd`` in a session (and process group) of its own, output to ``log``: a signal can
+    then go to its whole group, as a terminal (Ctrl-C) or slurm sends it, and nothing else."""
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env(**(extra_env or {})), stdout=out,
+                                stderr=out, start_new_session=True, **popen_kwargs)
+
+
 def wait_for(condition, what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -8,7 +8,8 @@ Layout under ``<run.dir>/checkpoints/``::
 A checkpoint is written into ``.step_<n>.tmp`` and renamed only once every rank finished and
 ``complete.json`` exists, then ``latest`` is replaced atomically, each step synced to the disk
 before the next names it. A crash (even SIGKILL, or of the machine) or a full disk during a
-save leaves at most a stale ``.tmp`` folder; the previous checkpoint stays the latest. With
+save leaves at most a stale ``.tmp`` folder, which the next training start removes
+(:func:`remove_unfinished`); the previous checkpoint stays the latest. With
 ``run.async_save`` the tensors are written in the background between :func:`start` and
 :func:`complete` (:mod:`pretrain.run.saver`), to the same effect.
 Resuming takes the newest complete checkpoint (``latest`` is only a hint). Model
@@ -50,6 +51,7 @@ from pretrain.run.failure import save_failure
 from runtime import device, weights
 from runtime.errors import CheckpointError
 from runtime.parallel import any_rank
+from runtime.write_results import reported_in_a_file
 
 log = logging.getLogger("pretrain")
 
@@ -146,11 +148,25 @@ def save(root: Path, step: int, chunks, optimizer, scheduler, keep_last: int,
     tmp = start(root, step)
     failure = None
     try:
-        dist_checkpointing.save(saved_state(chunks, optimizer, scheduler, step), str(tmp))
+        with reported_in_a_file():  # no Manager process (runtime.write_results)
+            dist_checkpointing.save(saved_state(chunks, optimizer, scheduler, step), str(tmp))
         save_rng_state(tmp)
     except weights.LOAD_ERRORS as err:  # megatron wraps a worker's OSError in several types
         failure = err
     return complete(root, step, tmp, keep_last, record, failure)
+
+
+def remove_unfinished(root: Path) -> list[Path]:
+    """Remove every ``.step_N.tmp`` under ``root``: saves that never completed (a crash, a
+    second Ctrl-C, a background write given up on). Only for a start holding the run's lock,
+    before its first save: no other process can be writing one then. A save of step N
+    replaces only its own ``.step_N.tmp``, and a resume rarely saves the step a stop save was
+    cut short at, so without this one could stay for good. Returns what was removed (one
+    that cannot be is left to the save of its step, which replaces it or fails naming it)."""
+    found = sorted(root.glob(".step_*.tmp"))
+    for folder in found:
+        shutil.rmtree(folder, ignore_errors=True)
+    return [folder for folder in found if not folder.exists()]
 
 
 def start(root: Path, step: int) -> Path:

@@ -19,7 +19,11 @@ ask whether the writers have ended once per step while a write is in flight (:me
 one all-reduce), so a checkpoint completes about when its write ends; the next save and the
 end of the run wait for it. A write that failed on any rank ends in the same CheckpointError a
 foreground save raises, naming the step; the previous checkpoint stays the latest. A process
-killed while a write is in flight leaves only ``.step_N.tmp`` behind, as in the foreground.
+killed while a write is in flight leaves only ``.step_N.tmp`` behind, as in the foreground,
+which the next start removes. The writer reports to its own save's file
+(:mod:`runtime.write_results`), not to megatron's Manager process; an exit at once (a second
+Ctrl-C, the hang watchdog) kills it first (:func:`pretrain.run.stop.kill_children`); a SIGKILL
+of the training process leaves it to finish its write and exit.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ from typing import NamedTuple
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
 
 from pretrain.run import checkpoint
 from runtime import weights
 from runtime.errors import CheckpointError
 from runtime.parallel import any_rank
+from runtime.write_results import reported_in_a_file
 
 log = logging.getLogger("pretrain")
 
@@ -70,9 +74,10 @@ class Saver:
         self.in_flight = InFlight(step, tmp, record)
         failure = None
         try:
-            request = dist_checkpointing.save(
-                checkpoint.saved_state(chunks, optimizer, scheduler, step), str(tmp),
-                async_sharded_save=True, async_strategy="mcore")
+            with reported_in_a_file():  # the forked writer reports to this save's file
+                request = dist_checkpointing.save(
+                    checkpoint.saved_state(chunks, optimizer, scheduler, step), str(tmp),
+                    async_sharded_save=True, async_strategy="mcore")
             self.calls.schedule_async_request(request)
             checkpoint.save_rng_state(tmp)
         except weights.LOAD_ERRORS as err:
@@ -129,15 +134,9 @@ class Saver:
         checkpoint.complete(self.root, step, tmp, self.keep_last, record, failure)
 
     def _end_writers(self) -> None:
-        """Wait for this rank's writers (no collective) and forget their requests, and what
-        they reported: megatron's writers report into one process-wide queue that the next
-        save of this process reads (foreground saves too), so a report nobody finalised would
-        be taken for that save's and give it another checkpoint's tensor index."""
-        if not self.calls.async_calls:
-            return
+        """Wait for this rank's writers (no collective) and forget their requests. What they
+        reported stays in their own save's queue (runtime.write_results), never read as the
+        next save's, which would give it another checkpoint's tensor index."""
         for call in self.calls.async_calls:
             call.async_caller.close()
         self.calls.async_calls.clear()
-        results = get_write_results_queue()
-        while not results.empty():
-            results.get_nowait()

@@ -8,14 +8,18 @@ nothing to save yet. No torch import here: it must be cheap to install first.
 Ctrl-C (SIGINT) stops the same way, and the run then exits :data:`INTERRUPTED` (130, what a
 shell expects of an interrupted command, so ``train && next`` does not go on). A second Ctrl-C
 exits at once, without saving: the checkpoints already written stay (a save in flight is a
-``.tmp`` folder the next start removes). A terminal sends Ctrl-C to every process of the
-foreground group and torchrun relays it to its ranks as well, so a rank may see one press
-twice: a SIGINT within :data:`SAME_PRESS_S` of the first is that same press.
+``.tmp`` folder the next start removes), and the process's children (a background checkpoint
+writer) are killed first, since ``os._exit`` skips the exit handlers that would end them. A
+terminal sends Ctrl-C to every process of the foreground group and torchrun relays it to its
+ranks as well, so a rank may see one press twice: a SIGINT within :data:`SAME_PRESS_S` of the
+first is that same press. A forked child (megatron's checkpoint writer) inherits the handler
+and ignores the signals: its parent decides, and ends it if need be.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -39,6 +43,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._first_interrupt: float | None = None
+        self._pid = os.getpid()
 
     @classmethod
     def install(cls) -> StopRequest:
@@ -62,6 +67,8 @@ class StopRequest:
                 "checkpoint saved; run the same command to resume")
 
     def _handle(self, signum, _frame) -> None:
+        if os.getpid() != self._pid:  # a forked checkpoint writer: it finishes or is killed
+            return
         name = signal.Signals(signum).name
         if name == "SIGINT":
             now = time.monotonic()
@@ -76,9 +83,19 @@ class StopRequest:
                      signal_text(name), then)
 
 
+def kill_children() -> None:
+    """SIGKILL this process's multiprocessing children (a background checkpoint writer) before
+    an ``os._exit``, which skips the exit handler that ends them: one left running with parent
+    1 would go on writing into the run folder. Nothing here waits."""
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
 def _exit_at_once() -> None:
-    """The second Ctrl-C: one line (rank 0 only), no traceback, no clean-up that could hang."""
+    """The second Ctrl-C: one line (rank 0 only), no traceback, no clean-up that could hang,
+    no child left behind."""
     if os.environ.get("RANK", "0") == "0":
         os.write(2, b"error: interrupted again by Ctrl-C: exited at once without saving; "
                     b"the checkpoints already written are kept\n")
+    kill_children()
     os._exit(INTERRUPTED)

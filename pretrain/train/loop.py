@@ -197,6 +197,9 @@ class Training:
     def start(self, tokenizer, downstream=None) -> dict:
         """Write the run folder, open the data and the reporters, then run :meth:`loop`."""
         config, begin, start = self.config, self.begin, self.begin.position.step
+        if dist.get_rank() == 0:  # the lock is held: no other run is writing one
+            for unfinished in checkpoint.remove_unfinished(self.ckpt_root):
+                log.info("removed %s, left by a save that did not complete", unfinished)
         prepare_run_dir(self.run_dir, config, self.parameters,
                         resuming=begin.previous is not None)
         self.identity = {**begin.identity, "config_sha256": sha256(self.run_dir / "config.toml")}

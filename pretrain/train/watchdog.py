@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
-import multiprocessing
 import os
 import socket
 import statistics
@@ -47,6 +46,8 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from pretrain.run.stop import kill_children
 
 log = logging.getLogger("pretrain")
 
@@ -180,11 +181,10 @@ class Watchdog:
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         time.sleep(wait)
-        # os._exit skips multiprocessing's exit handler, which ends the daemon children (the
-        # checkpoint writer megatron starts): one left behind could still write into the run
+        # os._exit skips multiprocessing's exit handler, which ends the children (the
+        # checkpoint writer megatron forks): one left behind could still write into the run
         # folder after the job was restarted.
-        for child in multiprocessing.active_children():
-            child.kill()
+        kill_children()
         os._exit(HANG_EXIT)
 
 

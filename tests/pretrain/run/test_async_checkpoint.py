@@ -27,7 +27,7 @@ from pretrain.run import checkpoint
 from pretrain.run.saver import Saver
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
-from tests.pretrain_fixtures import REPO, cli, env, train_args, train_losses
+from tests.pretrain_fixtures import REPO, cli, env, in_session, train_args, train_losses
 
 STEPS, EVERY = 9, 3
 # One rank with megatron's plain optimizer: its weights and Adam moments are whole tensors,
@@ -124,13 +124,11 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(data, f
     wrote stay in .step_6.tmp, never a checkpoint; the resume repeats every loss."""
     run = tmp_path / "run"
     args = train_args(data, run, *COMMON, BACKGROUND)
-    # Its own session: the writer and megatron's result queue outlive a SIGKILLed trainer
-    # (on a cluster the job's cgroup reaps them); the test reaps the group.
-    with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.kill_in_save", "--background", "6", *args],
-            cwd=REPO, stdout=log, stderr=log, start_new_session=True, env=env())
-        code = proc.wait(timeout=240)
+    # Its own session: the writer outlives a SIGKILLed trainer until its write ends (on a
+    # cluster the job's cgroup reaps it); the test reaps the group.
+    proc = in_session([sys.executable, "-m", "tests.kill_in_save", "--background", "6", *args],
+                      tmp_path / "killed.log")
+    code = proc.wait(timeout=240)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]

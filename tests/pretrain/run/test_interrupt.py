@@ -4,14 +4,21 @@ commands stop in one line."""
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.pretrain_fixtures import REPO, catches, cli, env, metrics, train_args, wait_for
+from tests.pretrain_fixtures import (
+    REPO,
+    catches,
+    cli,
+    in_session,
+    metrics,
+    train_args,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -20,20 +27,13 @@ STOPPED = "stopped by Ctrl-C (SIGINT) after step {}; checkpoint saved; run the s
           "to resume"
 
 
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    """A child in a session of its own, so SIGINT can go to its group as a terminal sends it."""
-    with log.open("w") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=out,
-                                start_new_session=True)
-
-
 def _trained(run: Path, steps: int) -> bool:
     return (run / "metrics.jsonl").is_file() and \
         sum("loss" in r for r in metrics(run)) >= steps
 
 
 def _interrupt_training(cmd: list[str], run: Path, log: Path) -> tuple[int, str]:
-    proc = _start(cmd, log)
+    proc = in_session(cmd, log)
     try:
         wait_for(lambda: proc.poll() is not None or _trained(run, 2), "two steps", 240)
         assert proc.poll() is None, log.read_text()[-2000:]
@@ -87,7 +87,7 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(data, tmp_path):
     start-up's next boundary, one line, nothing written."""
     run = tmp_path / "run"
     log = tmp_path / "train.log"
-    proc = _start([sys.executable, "-m", "pretrain", *train_args(data, run)], log)
+    proc = in_session([sys.executable, "-m", "pretrain", *train_args(data, run)], log)
     wait_for(lambda: catches(proc.pid, signal.SIGUSR1), "the stop handler")  # before torch
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(1.2)
@@ -103,7 +103,7 @@ def test_ctrl_c_in_eval_is_one_line(data, tmp_path):
     run = tmp_path / "run"
     cli(*train_args(data, run, "--run.steps=3"))
     log = tmp_path / "eval.log"
-    proc = _start([sys.executable, "-m", "pretrain", "eval", "--checkpoint",
+    proc = in_session([sys.executable, "-m", "pretrain", "eval", "--checkpoint",
                    str(run / "checkpoints")], log)
     wait_for(lambda: proc.poll() is not None or "libtorch" in Path(
         f"/proc/{proc.pid}/maps").read_text(), "torch to load")
