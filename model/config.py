@@ -65,13 +65,13 @@ class ModelConfig:
 
     residual_scheme: ResidualScheme = ResidualScheme.SIAMESE
     """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln | hc | periln |
-    olmo2 (each scheme's equations are in its layer's docstring, model/layers)."""
+    olmo2 | mhc (each scheme's equations are in its layer's docstring, model/layers)."""
     num_layers: int = 2
     """Transformer blocks, each an attention and an MLP sublayer (L in the schemes'
     equations); parallel.pp x parallel.vp must divide it."""
     hidden_size: int = 64
     """Width of the embeddings and of each residual stream (two-stream schemes carry two of
-    this width, hc carries hc_rate)."""
+    this width, hc and mhc carry hc_rate)."""
     num_attention_heads: int = 4
     """Query heads; each has hidden_size / num_attention_heads channels, so it must divide
     hidden_size (and parallel.tp must divide it)."""
@@ -145,10 +145,14 @@ class ModelConfig:
     siamese_depth_constant: bool = True
     """siamese and siamese_hybrid: false sets c_l = 1 (the paper's ablation)."""
     hc_rate: int = 4
-    """hc only: the expansion rate n, the number of residual streams."""
+    """hc and mhc: the expansion rate n, the number of residual streams."""
     hc_dynamic: bool = True
     """hc only: true for dynamic hyper-connections (per-token weights, the paper's DHC),
     false for the static ones."""
+    mhc_sinkhorn_iterations: int = 20
+    """mhc only: Sinkhorn-Knopp iterations (each a row and a column normalisation) that
+    project each token's residual mixing matrix H_res onto the doubly stochastic matrices
+    (the paper's t_max = 20)."""
 
     def __post_init__(self) -> None:
         coerce_choices("model", self)
@@ -218,6 +222,11 @@ class ModelConfig:
         require(isinstance(self.hc_rate, int) and not isinstance(self.hc_rate, bool)
                 and self.hc_rate >= 1, f"model.hc_rate ({self.hc_rate!r}) must be a positive "
                 "integer")
+        require(isinstance(self.mhc_sinkhorn_iterations, int)
+                and not isinstance(self.mhc_sinkhorn_iterations, bool)
+                and self.mhc_sinkhorn_iterations >= 1,
+                f"model.mhc_sinkhorn_iterations ({self.mhc_sinkhorn_iterations!r}) must be a "
+                "positive integer")
         ratio = self.mixln_post_ratio
         require(isinstance(ratio, int | float) and not isinstance(ratio, bool)
                  and 0.0 <= ratio <= 1.0, f"model.mixln_post_ratio ({ratio!r}) must be in [0, 1]")

@@ -22,7 +22,9 @@ The rules (``model.init``, :class:`~model.schemes.InitMethod`; std = ``model.ini
   tensor here that is not constant has no rule and is refused, so a new random parameter cannot
   silently become layout-dependent.
 
-A scheme's file may define ``scale_init(model, key, weight)`` to rescale a drawn global tensor
+A scheme's file may define ``init_std(model, key)``, the std of its own random parameters
+(None for the rest), drawn like every other weight; and ``scale_init(model, key, weight)`` to
+rescale a drawn global tensor
 in place (DeepNorm's beta); it sees the whole tensor, so the scaling is layout-independent too.
 It may list in ``FIXED_INIT`` the key suffixes of parameters it sets from the config and the
 global block index alone (hyper-connections' one-hot and identity starts), which are not
@@ -60,7 +62,8 @@ def std_of(model: ModelConfig, key: str) -> float | None:
         return std / math.sqrt(2.0 * model.num_layers) if scaled else std
     if key == "output_layer.weight":
         return model.hidden_size ** -0.5 if model.init is InitMethod.FULL_MEGATRON else std
-    return None
+    own = getattr(SCHEME_FILES[model.residual_scheme], "init_std", None)
+    return None if own is None else own(model, key)
 
 
 def seed_of(seed: int, name: str) -> int:

@@ -53,6 +53,27 @@ def _with_prenorm_first_block(model: ModelConfig) -> bool:
     return model.hybrid_first_block is not FirstBlock.HYBRID
 
 
+def _values(count: int) -> Callable[[ModelConfig], int]:
+    """A constant :attr:`Traits.stream_values`."""
+    def values(_model: ModelConfig) -> int:
+        return count
+    return values
+
+
+def _hc_values(model: ModelConfig) -> int:
+    """Per sublayer the n streams it mixes, its norm's input, the branch output it scales into
+    every stream and, dynamic, the normalised streams its weights come from."""
+    n = model.hc_rate
+    return 2 * (2 * n + 2) if model.hc_dynamic else 2 * (n + 2)
+
+
+def _mhc_values(model: ModelConfig) -> int:
+    """Per sublayer the n streams (read by the mapping's product, the aggregation and H_res),
+    its norm's input and the branch output H_post scales (the RMS of the flattened streams is
+    taken after the product, so no normalised copy is kept)."""
+    return 2 * (model.hc_rate + 2)
+
+
 @dataclass(frozen=True)
 class Traits:
     two_stream: bool = False
@@ -74,10 +95,12 @@ class Traits:
     blocks_differ: Callable[[ModelConfig], bool] = _never
     """Whether some blocks hold other parameters than the rest, so checkpoints key each block
     by its global index instead of stacking them."""
-    stream_norms: int = 2
-    """Single-stream schemes: the hidden-size norms a block applies outside its attention and
-    MLP, each of which keeps its input for backward (the dry run's memory estimate; a test
-    counts them on a built block)."""
+    stream_values: Callable[[ModelConfig], int] = _values(2)
+    """h-sized values per token one block keeps for backward outside its attention and MLP
+    (the dry run's memory estimate): the input of each norm it applies outside them, a branch
+    output a learned scalar or mixing weight multiplies (kept for that weight's gradient), the
+    streams a mixing reads. ``tests/bench/test_saved_activations.py`` holds every scheme's
+    estimate to the tensors autograd keeps."""
 
     @property
     def head_norms(self) -> bool:
@@ -103,26 +126,32 @@ class ResidualScheme(StrEnum):
     POST = "post", Traits(final=FinalNorm.NONE)
     # SiameseNorm post_pre: Post-Norm-like x and Pre-Norm-like y
     SIAMESE = "siamese", Traits(two_stream=True, streams=_two, final=FinalNorm.MERGE,
-                                fields=_SIAMESE_FIELDS)
+                                fields=_SIAMESE_FIELDS, stream_values=_values(3))
     # SiameseNorm hybrid_pre: x follows HybridNorm
     SIAMESE_HYBRID = "siamese_hybrid", Traits(
         two_stream=True, streams=_two, qkv_norm=True, final=FinalNorm.MERGE,
         fields=(*_SIAMESE_FIELDS, "hybrid_first_block"),
-        blocks_differ=_with_prenorm_first_block)
+        blocks_differ=_with_prenorm_first_block, stream_values=_values(3))
     # h <- N(alpha h + F(h)); branch weights initialised down by beta (its own depth scaling)
     DEEPNORM = "deepnorm", Traits(final=FinalNorm.NONE, depth_scaled_output_init=False)
     # QKV-norm attention, Post-Norm around the MLP; final norm
     HYBRIDNORM = "hybridnorm", Traits(qkv_norm=True, fields=("hybrid_first_block",),
-                                      blocks_differ=_with_prenorm_first_block, stream_norms=1)
+                                      blocks_differ=_with_prenorm_first_block,
+                                      stream_values=_values(1))
     # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
     MIXLN = "mixln", Traits(fields=("mixln_post_ratio",), blocks_differ=_always)
     # Hyper-connections: n streams, each sublayer reads a mix and writes into all; summed at
     # the end, then a norm
-    HC = "hc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME, fields=("hc_rate", "hc_dynamic"))
+    HC = "hc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME, fields=("hc_rate", "hc_dynamic"),
+                      stream_values=_hc_values)
     # Peri-LN: h <- h + Nout(F(Nin(h))); final norm
-    PERILN = "periln", Traits(stream_norms=4)
+    PERILN = "periln", Traits(stream_values=_values(4))
     # OLMo 2: h <- h + N(F(h)) with QK-norm; final norm; no depth-scaled init
     OLMO2 = "olmo2", Traits(qk_norm=True, depth_scaled_output_init=False)
+    # Manifold-constrained hyper-connections: n streams mixed by a doubly stochastic H_res,
+    # read through H_pre, written through H_post; summed at the end, then a norm
+    MHC = "mhc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME,
+                        fields=("hc_rate", "mhc_sinkhorn_iterations"), stream_values=_mhc_values)
 
 
 def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:

@@ -1,9 +1,9 @@
 """One file per residual scheme, each saying which layer class builds each block.
 
 A scheme's file holds ``layer(model, index)`` and optionally ``final_norm(model, norm)``,
-``scale_init(model, key, weight)`` and ``FIXED_INIT`` (parameter suffixes the random init
-leaves alone). ``pre`` is megatron's own TransformerLayer; the shared classes live in
-``base``, ``two_stream`` and ``merge``.
+``init_std(model, key)``, ``scale_init(model, key, weight)`` and ``FIXED_INIT`` (parameter
+suffixes the random init leaves alone). ``pre`` is megatron's own TransformerLayer; the
+shared classes live in ``base``, ``two_stream`` and ``merge``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from model.layers import (
     deepnorm,
     hc,
     hybridnorm,
+    mhc,
     mixln,
     olmo2,
     periln,
@@ -35,4 +36,5 @@ SCHEME_FILES: dict[ResidualScheme, ModuleType] = {
     ResidualScheme.HC: hc,
     ResidualScheme.PERILN: periln,
     ResidualScheme.OLMO2: olmo2,
+    ResidualScheme.MHC: mhc,
 }

@@ -42,13 +42,7 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
     traits = m.residual_scheme.traits
     h, f, heads, groups = m.hidden_size, m.ffn_size, m.num_attention_heads, m.kv_heads
     kv = groups * (h // heads)
-    n = m.residual_streams
-    if n == 1:
-        streams = traits.stream_norms * h * width
-    elif not traits.two_stream:  # hyper-connections (counted on the model, not on a GPU)
-        streams = 2 * (n * h * (2 if m.hc_dynamic else 1) + 2 * h) * width
-    else:  # SiameseNorm: the layer input, and r for the MLP entry
-        streams = (n * h + h) * width
+    streams = traits.stream_values(m) * h * width
     dropout_masks = 2 * h if m.hidden_dropout > 0 else 0
     whole = streams + 2 * h * width + dropout_masks  # + the two branch inputs
     attention = (h + 2 * kv + h + kv + h) * width + 4 * heads
@@ -88,18 +82,23 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     - MLP: h, the fc1 input; 2f, the fc1 output (f for GELU); then megatron's unfused SwiGLU
       keeps silu(gate), up + 0 (its glu_linear_offset add copies) and their product, the fc2
       input: 3f; with the activation fusion only the product, f; GELU its output, f.
-    - streams, one (n = 1): the input of every norm a block applies outside its branches,
-      h each (``Traits.stream_norms``): 2h (pre, post, ...), h (hybridnorm: its attention has
-      no norm in front), 4h (periln: the branch outputs' norms keep them too). Several
-      (SiameseNorm): the fused norm kernels keep their inputs, not their outputs: n h, the
-      layer input, read by the attention entry; the MLP entry re-derives the updated streams
-      from it and the attention output r (recomputing u = Npost(x)), so it keeps h more, r.
-      With QKV-norm (the hybrid form) x reaches attention through the channel gate, which
-      keeps x itself, a half of the layer input.
+    - streams: what a block keeps outside its branches, ``Traits.stream_values`` h-sized
+      values. One stream: the input of every norm outside the branches, h each: 2h (pre,
+      post, ...), h (hybridnorm: its attention has no norm in front), 4h (periln: the branch
+      outputs' norms keep them too); a branch output scaled by a learned weight keeps that
+      output too. SiameseNorm (3h): the fused norm kernels keep their inputs, not their
+      outputs: 2h, the layer input, read by the attention entry; the MLP entry re-derives the
+      updated streams from it and the attention output r (recomputing u = Npost(x)), so it
+      keeps h more, r. With QKV-norm (the hybrid form) x reaches attention through the
+      channel gate, which keeps x itself, a half of the layer input.
       Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
       mixes and writes (n h), the mixed input of its norm (h), the branch output it scales
-      into every stream (h) and, dynamic, the normalised streams its weights come from (n h);
-      its per-token mixing coefficients (O(n^2) values) are left out.
+      into every stream (h) and, dynamic, the normalised streams its weights come from (n h).
+      mHC: per sublayer the streams (n h, read by the mapping's product, the aggregation and
+      H_res), its norm's input (h) and the branch output H_post scales (h); the flattened
+      streams' RMS is applied after the product, so no normalised copy is kept. Both leave
+      out their per-token mixing coefficients (O(n^2) values; mHC's Sinkhorn keeps only its
+      logits and recomputes its iterations in backward).
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
     - document attention (data.document_attention): the micro-batch's int32 document ids, 4
       bytes per token, shared by every layer (flex attention's block mask is O((s/128)^2),
@@ -108,8 +107,8 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
 
     That is pre, post, deepnorm, mixln and olmo2 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f,
     periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f, hc
-    (4n + 9)h + 3kv + 5f dynamic and (2n + 9)h + 3kv + 5f static (2f less each with the
-    activation fusion).
+    (4n + 9)h + 3kv + 5f dynamic and (2n + 9)h + 3kv + 5f static, mhc (2n + 9)h + 3kv + 5f
+    (2f less each with the activation fusion).
     The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
     (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
     with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the
