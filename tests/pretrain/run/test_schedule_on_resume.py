@@ -21,9 +21,6 @@ from pretrain.run import checkpoint
 from runtime.errors import ConfigError
 from tests.fixtures.make_legacy_checkpoints import TINY, train_step
 
-# The save starts megatron's checkpoint-writer process.
-pytestmark = pytest.mark.slow
-
 SAVED_AT = 4
 BEFORE = OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.1)
 
