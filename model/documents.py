@@ -56,7 +56,13 @@ def _once_per_mask(kind: str, mask: torch.Tensor, shape: tuple, make: Callable[[
     """What ``make`` derives from one micro-batch's ids, made once for all its layers (which
     are called with the same tensor) and so held once by autograd, not once per layer. The
     last result of each kind is kept with a weak reference to the ids it came from: a new
-    micro-batch's ids, a new tensor even at a freed one's address, never reuse it."""
+    micro-batch's ids, a new tensor even at a freed one's address, never reuse it.
+
+    Inside a compiled block (``kernels.compile``) each block makes its own: the cache's
+    state (empty, this micro-batch's, a freed one's) would be guarded, so a block's graph
+    would recompile as it changes; in the graph the mask is a few fused elementwise ops."""
+    if torch.compiler.is_compiling():
+        return make()
     source, made_for, value = _last.get(kind, (None, None, None))
     if source is None or source() is not mask or made_for != shape:
         value = make()

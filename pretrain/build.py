@@ -9,10 +9,12 @@ the config itself was validated when it was loaded), so a mistake fails in secon
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 from megatron.core.transformer.module import Float16Module
 
+from model import compiled
 from model.backends import AttentionBackend
 from model.builder import build_model, wrap_ddp
 from model.config import ModelConfig
@@ -71,6 +73,10 @@ def setup(config: Config) -> list:
     chunks = build_model(model_config(config), config.parallel, dtype,
                          config.kernels.norm_backend, seed=config.run.seed,
                          positions_per_token=config.data.reset_position_ids)
+    k = config.kernels
+    if k.compile:  # each block's forward, before any wrapper; compiled in the first step
+        compiled.use_cache(k.compile_cache or Path(config.run.dir) / "compile_cache")
+        compiled.compile_blocks(chunks, k.compile_backend.value, k.cuda_graphs)
     if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     return wrap_ddp(chunks, config.parallel)

@@ -27,6 +27,12 @@ from pretrain.paths import require_creatable, require_file, require_folder
 from runtime.errors import ConfigError
 
 
+class CompileBackend(StrEnum):
+    INDUCTOR = "inductor"  # generated kernels
+    AOT_EAGER = "aot_eager"  # Dynamo and AOTAutograd's capture, run by eager torch
+    EAGER = "eager"  # Dynamo's capture only
+
+
 class ParamsDtype(StrEnum):
     AUTO = "auto"  # bf16 on a GPU, fp32 on the CPU
     FP32 = "fp32"
@@ -340,6 +346,24 @@ class KernelsConfig:
     norm_backend: NormBackend = NormBackend.AUTO
     """auto | torch | triton | te. auto: the fused Triton kernels on a CUDA machine with Triton,
     else the torch reference."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (model/compiled.py): blocks of one
+    class share their compiled code, the schedules, recompute wrappers, embedding and loss stay
+    eager. Compilation happens in the first step, which the console reports with its
+    seconds; later starts load it from compile_cache. Off by default: on the 2-core CPU demo it
+    does not pay for itself (docs/compile.md)."""
+    compile_backend: CompileBackend = CompileBackend.INDUCTOR
+    """With compile: inductor (generated code), or aot_eager / eager (Dynamo's capture only,
+    no code generation: for checking graph breaks and recompiles quickly)."""
+    compile_cache: str = ""
+    """With compile: the folder of inductor's and Triton's compiled artifacts, read and
+    written by every rank, so a restart or resume reuses them; a folder every node sees lets
+    a multi-node run share them ("": <run.dir>/compile_cache)."""
+    cuda_graphs: bool = False
+    """With compile and the inductor backend on a CUDA device: capture each compiled block's
+    kernels as CUDA graphs (inductor's cudagraph trees, torch.compile's reduce-overhead),
+    replayed every step to cut kernel-launch overhead. Refused without CUDA. Untested on a
+    GPU so far (docs/compile.md)."""
 
     def __post_init__(self) -> None:
         coerce_choices("kernels", self)
@@ -681,6 +705,7 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         require(value >= 0, f"eval.{name} ({value}) must be >= 0")
     if ev.include_path:
         require_folder(ev.include_path, "eval.include_path")
+    _validate_compile(config.kernels)
     dg = config.diagnostics
     require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
     require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
@@ -702,6 +727,15 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
             require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
                      f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
                      f"({config.parallel.pp}) and larger than it with virtual pipelining")
+
+
+def _validate_compile(k: KernelsConfig) -> None:
+    if k.cuda_graphs:
+        require(k.compile, "kernels.cuda_graphs (true) needs kernels.compile true: the graphs "
+                "are captured around the compiled blocks")
+        require(k.compile_backend is CompileBackend.INDUCTOR,
+                f"kernels.cuda_graphs (true) needs kernels.compile_backend inductor, not "
+                f"{k.compile_backend}")
 
 
 def _validate_guard(g: GuardConfig) -> None:

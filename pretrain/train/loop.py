@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from model import compiled
 from model.builder import model_parameters
 from pretrain.build import params_dtype, preflight, setup
 from pretrain.config import Config, GuardAction
@@ -271,6 +272,8 @@ class Training:
                 record.update(stragglers.measure(step))  # collective
                 self.metrics.log(record)
             self.progress.step(step, record)
+            if self.config.kernels.compile and step == self.begin.position.step + 1:
+                self.progress.message(compiled.first_step_text(time.perf_counter() - began))
             for extra in diag.records(step, status.loss) if diag else ():  # collective
                 self.metrics.log(extra)
             if self.guard.exhausted():

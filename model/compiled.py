@@ -1,0 +1,128 @@
+"""Each transformer block's forward through ``torch.compile`` (``kernels.compile``).
+
+As torchtitan and OLMo-core do, the unit compiled is one block, not the model: the pipeline
+schedules, megatron's recompute wrappers, the embedding, the loss and the hooks stay eager
+around it. What is compiled is the block's bound ``forward`` (not ``Module.compile``, whose
+compiled ``__call__`` would take forward hooks, such as the per-stream diagnostics', into the
+graph). Dynamo caches on the code object, so every block of one class shares its compiled
+code: a scheme whose blocks are one class compiles once, Mix-LN and HybridNorm* twice; only a
+block whose guarded constants differ adds an entry (none measured; ``docs/compile.md``).
+
+Graph breaks inside a block are counted, not refused (``fullgraph=False``): a layout or
+backend the tests have not covered then runs, slower, instead of stopping, and the first step
+reports the count (:func:`report`). The tests hold every scheme to zero breaks and to no
+recompile after the first step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from runtime import device
+from runtime.errors import ConfigError
+
+# Entries a code object may hold before Dynamo falls back to eager: every block class of a
+# model shares one per distinct set of guarded constants; megatron's default (8) is ample for
+# one, and this bound keeps a model with many block variants compiled.
+RECOMPILE_LIMIT = 64
+
+
+def blocks(chunks) -> list[torch.nn.Module]:
+    """The transformer blocks of ``chunks`` (bare GPT modules, before any wrapper)."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+
+
+def use_cache(folder: str | os.PathLike) -> Path:
+    """Inductor's and Triton's on-disk caches (compiled graphs, autograd graphs, kernels) in
+    ``folder``, so a restart or resume, on this node or another one sharing the folder,
+    loads them instead of compiling again. Set before the first compile: inductor reads the
+    variable each time it looks a cache up."""
+    path = Path(folder).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return path
+
+
+def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False) -> int:
+    """Replace each block's ``forward`` by its compiled form (``backend``: inductor, or
+    Dynamo's aot_eager / eager for counting breaks without code generation; ``cuda_graphs``:
+    inductor's cudagraph trees around each compiled block, CUDA only). Returns the number of
+    blocks. Compilation itself happens at the first call, in the first step."""
+    if cuda_graphs and not device.uses_cuda():
+        raise ConfigError("kernels.cuda_graphs (true) needs a CUDA device (none on this "
+                          "machine); set it false")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
+    options = {"triton.cudagraphs": True} if cuda_graphs else None
+    found = blocks(chunks)
+    for block in found:
+        # dynamic=False: every step's shapes are the same (sequence length, micro-batch), and
+        # packed documents change values (document ids, positions), not shapes. Floats and
+        # ints a block holds (its layer number, SiameseNorm's c_l) are constants of its graph.
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=False,
+                                      options=options)
+    return len(found)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in Dynamo and its backends (forward and the backward
+    graphs compiled at the first backward), from torch's own timing of its compile entry."""
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    return float(sum(sum(times) for name, times in metrics.items()
+                     if name in _COMPILE_ENTRIES))
+
+
+# The outermost compile entries torch times: Dynamo's frame compile (which includes the
+# forward's backend) and the backward's lazy compile; inner phases would count twice.
+_COMPILE_ENTRIES = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler",
+                    "compile_fx_backward")
+
+
+def first_step_text(step_seconds: float) -> str:
+    """What the console says after the first step of a compiled run: compile seconds so far
+    (the first validation's forward graphs included), inductor's cache hits and misses (hits
+    on a restart that reuses kernels.compile_cache), and the graph breaks Dynamo counted."""
+    inductor = torch._dynamo.utils.counters["inductor"]
+    hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    breaks = _break_total()
+    text = (f"compiled blocks: {compile_seconds():.1f} s of compilation so far, first step "
+            f"{step_seconds:.1f} s; compiled-graph cache {hits} hits, {misses} misses; "
+            f"{breaks} graph breaks")
+    if breaks:
+        text += " (" + "; ".join(f"{n} x {r}" for r, n in break_reasons().items()) + ")"
+    return text
+
+
+class Counts:
+    """Graph breaks and compiled graphs since :meth:`start`, from Dynamo's own counters."""
+
+    def start(self) -> Counts:
+        self.breaks0 = _break_total()
+        self.graphs0 = _graphs()
+        self.began = time.perf_counter()
+        return self
+
+    def breaks(self) -> int:
+        return _break_total() - self.breaks0
+
+    def graphs(self) -> int:
+        return _graphs() - self.graphs0
+
+
+def break_reasons() -> dict[str, int]:
+    """Each graph-break reason Dynamo counted in this process, with its count."""
+    return dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def _break_total() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -1,0 +1,66 @@
+"""What the compiled-block tests measure, in the test process or on spawned gloo ranks: one
+model's graphs, breaks and recompiles per step, and its logits and gradients eager against
+compiled (tests/model/test_compiled_blocks.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from model import compiled
+from model.builder import build_model, wrap_ddp
+from model.config import ParallelConfig
+from runtime import parallel
+from runtime.schedule import forward_backward
+from tests.helpers import MBS, SEQ, document_batches, tiny_model
+
+
+def step_counts(scheme: str, parallel_fields: dict, backend: str = "eager",
+                steps: int = 3, layers: int = 3) -> list[tuple[int, int]]:
+    """(graphs compiled, graph breaks) in each of ``steps`` steps of two micro-batches whose
+    packed documents differ from batch to batch."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
+    chunks = build_model(tiny_model(scheme, num_layers=layers), par, positions_per_token=True)
+    compiled.compile_blocks(chunks, backend)
+    ddp = wrap_ddp(chunks, par)
+    counts = []
+    for step in range(steps):
+        probe = compiled.Counts().start()
+        forward_backward(ddp, iter(document_batches(2, seed=step)), 2, SEQ, MBS)
+        counts.append((probe.graphs(), probe.breaks()))
+    return counts
+
+
+def loss_and_grads(scheme: str, parallel_fields: dict, backend: str | None,
+                   layers: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and every gradient of one step, eager (``backend`` None) or compiled."""
+    torch._dynamo.reset()
+    par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
+    torch.manual_seed(3)
+    chunks = build_model(tiny_model(scheme, num_layers=layers), par, seed=11,
+                         positions_per_token=True)
+    if backend is not None:
+        compiled.compile_blocks(chunks, backend)
+    ddp = wrap_ddp(chunks, par)
+    losses = forward_backward(ddp, iter(document_batches(2, seed=5)), 2, SEQ, MBS)
+    grads = {n: p.main_grad.clone() for c in ddp for n, p in c.module.named_parameters()}
+    return [float(x) for x in losses], grads
+
+
+def worst_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest |a - b| / max|b| over the tensors of ``b`` (a norm-relative error, so a
+    gradient entry near zero does not blow it up)."""
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)) for n in b)
+
+
+def rank_counts(schemes: list[str], parallel_fields: dict, out: str) -> None:
+    """On each spawned rank: :func:`step_counts` for ``schemes``, written by rank 0."""
+    parallel.initialize(ParallelConfig(**parallel_fields), seed=1234)
+    result = {s: step_counts(s, parallel_fields) for s in schemes}
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(result))
+    parallel.destroy()
