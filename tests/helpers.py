@@ -25,6 +25,20 @@ def tiny_model(scheme: str, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def perturb_every_parameter(model, scale: float = 0.3) -> None:
+    """Move every parameter of ``model`` off its initial value, whatever its kind: by
+    ``scale`` times its own spread, or by ``scale`` where it has none (norm weights, gates,
+    scalars, static mixing weights). A parameter left where it starts can hide a wrong
+    equation or a wrong layout: a branch scale starting at 0 multiplies away whatever its
+    branch reads, a norm weight at 1 hides which norm is applied."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            before = param.detach().clone()
+            spread = param.float().std().item() if param.numel() > 1 else 0.0
+            param.add_((scale * (spread or 1.0)) * torch.randn_like(param))
+            assert not torch.equal(param, before), name
+
+
 def batches(count: int, seed: int = 0, seq: int = SEQ, mbs: int = MBS) -> list[dict]:
     """Fixed microbatches of random tokens, identical in every process, on the device this
     process computes on (drawn on the CPU, so the tokens do not depend on the device)."""

@@ -66,9 +66,12 @@ def run_layout(layout: dict, schemes: list[str], workdir: str,
         if mean is not None:
             with open(os.path.join(workdir, scheme, "loss.json"), "w") as f:
                 json.dump(mean, f)
-            with open(os.path.join(workdir, scheme, "norm_backend"), "w") as f:
-                f.write(",".join(sorted({m.backend.value for chunk in chunks
-                                         for m in chunk.modules() if isinstance(m, Norm)})))
+        # every rank's: a pipeline stage may hold no norm at all (a scheme whose blocks have
+        # none, on the first stage)
+        rank = dist.get_rank()
+        with open(os.path.join(workdir, scheme, f"norm_backend.rank{rank}"), "w") as f:
+            f.write(",".join(sorted({m.backend.value for chunk in chunks
+                                     for m in chunk.modules() if isinstance(m, Norm)})))
         record_depth_scales(chunks, os.path.join(workdir, scheme))
         grads_into_params(chunks)
         weights.save(chunks, os.path.join(workdir, scheme, "grads"))

@@ -17,7 +17,7 @@ import torch
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from model.schemes import ResidualScheme
-from tests.helpers import tiny_model
+from tests.helpers import perturb_every_parameter, tiny_model
 
 SCHEMES = [
     ("pre", {}),
@@ -231,20 +231,6 @@ def test_the_reference_refuses_a_scheme_it_does_not_know():
 def rel_err(a, b) -> float:
     a, b = a.detach().cpu().double(), b.detach().cpu().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-
-def perturb_every_parameter(model) -> None:
-    """Move every parameter of the model off its initial value, whatever its kind: by 30% of
-    its own spread, or by 0.3 where it has none (norm weights, gates, scalars, static mixing
-    weights). A parameter left where it starts can hide a wrong equation: a branch scale
-    starting at 0 multiplies away whatever its branch reads, a norm weight at 1 hides which
-    norm is applied."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            before = param.detach().clone()
-            spread = param.float().std().item() if param.numel() > 1 else 0.0
-            param.add_((0.3 * (spread or 1.0)) * torch.randn_like(param))
-            assert not torch.equal(param, before), name
 
 
 @pytest.mark.parametrize("normalization", ["rmsnorm", "layernorm", "layernorm+bias"])
