@@ -23,12 +23,14 @@ import ast
 import json
 import os
 import shutil
+from enum import StrEnum
 from pathlib import Path
 
 import torch
 
 from model.config import ModelConfig
 from model.init import local_tensors
+from model.schemes import SCHEME_FIELDS
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
@@ -77,6 +79,11 @@ def remote_tensors(tensors: dict[str, torch.Tensor], model: ModelConfig) -> dict
     return {name: t.contiguous() for name, t in out.items()}
 
 
+def _json_value(value):
+    """A config value as config.json writes it (a choice by its string)."""
+    return value.value if isinstance(value, StrEnum) else value
+
+
 def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
     """config.json of the remote-code model (``SiameseNormConfig``)."""
     return {
@@ -92,11 +99,9 @@ def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
         "norm_bias": model.norm_bias, "activation": model.activation.value,
         "position_embedding": model.position_embedding.value,
         "rope_theta": float(model.rotary_base), "add_bias_linear": model.add_bias_linear,
-        "hybrid_first_block": model.hybrid_first_block.value,
-        "mixln_post_ratio": model.mixln_post_ratio,
-        "siamese_input_norm": model.siamese_input_norm,
-        "siamese_depth_constant": model.siamese_depth_constant,
-        "hc_rate": model.hc_rate, "hc_dynamic": model.hc_dynamic,
+        # every scheme-only field (model.schemes.SCHEME_FIELDS), so a new one reaches the
+        # remote config without a line here
+        **{name: _json_value(getattr(model, name)) for name in sorted(SCHEME_FIELDS)},
         "initializer_range": model.init_method_std,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "bos_token_id": None, "eos_token_id": eod,

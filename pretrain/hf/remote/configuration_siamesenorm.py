@@ -3,7 +3,7 @@
 The fields mirror the training framework's ``model.*`` fields of the same meaning, so a
 folder's ``config.json`` states the model exactly as it was trained: the residual scheme
 (``pre``, ``post``, ``siamese``, ``siamese_hybrid``, ``deepnorm``, ``hybridnorm``, ``mixln``,
-``hc``, ``periln``, ``olmo2``) and the switches only some schemes read.
+``hc``, ``periln``, ``olmo2``, ``mhc``) and the switches only some schemes read.
 """
 
 import os
@@ -42,7 +42,7 @@ def check_transformers():
 check_transformers()
 
 SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc",
-           "periln", "olmo2")
+           "periln", "olmo2", "mhc")
 
 
 class SiameseNormConfig(_Config):
@@ -72,6 +72,7 @@ class SiameseNormConfig(_Config):
         siamese_depth_constant: bool = True,
         hc_rate: int = 4,
         hc_dynamic: bool = True,
+        mhc_sinkhorn_iterations: int = 20,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
         **kwargs,
@@ -101,5 +102,6 @@ class SiameseNormConfig(_Config):
         self.siamese_depth_constant = siamese_depth_constant
         self.hc_rate = hc_rate
         self.hc_dynamic = hc_dynamic
+        self.mhc_sinkhorn_iterations = mhc_sinkhorn_iterations
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -8,7 +8,8 @@ Every scheme keeps its residual streams in a small state and shares one attentio
 - single stream (pre, post, deepnorm, hybridnorm, mixln, periln, olmo2): h
 - SiameseNorm (siamese, siamese_hybrid): (x, y), both starting as the embedding; c_l =
   sqrt(2 (l + 1)) scales the x update of block l; merged at the end as Nfinal(Na(x) + Nb(y))
-- hyper-connections (hc): n streams [b, s, n, h], summed at the end, then a norm
+- hyper-connections (hc) and manifold-constrained ones (mhc): n streams [b, s, n, h], summed
+  at the end, then a norm
 
 Conventions that matter for equality with the training framework: Q, K and V come from one
 projection laid out per K/V group (that group's query heads, its key head, its value head);
@@ -355,6 +356,51 @@ class HyperConnectionBlock(Block):
         return self.mlp_hc(H, self.mlp_norm, self.mlp)
 
 
+class ManifoldConnection(nn.Module):
+    """One sublayer's mHC mappings: phi [n^2 + 2n, n h] (rows: pre, post, then H_res row by
+    row), the static part b and the gates (a_pre, a_post, a_res). Per token, from the
+    flattened streams normalised by their RMS: H_pre = sigmoid, H_post = 2 sigmoid, H_res =
+    Sinkhorn-Knopp from exp (rows then columns, ``mhc_sinkhorn_iterations`` times each)."""
+
+    def __init__(self, config):
+        super().__init__()
+        n = config.hc_rate
+        self.rate, self.iterations, self.eps = n, config.mhc_sinkhorn_iterations, config.norm_eps
+        self.phi = nn.Parameter(torch.zeros(n * n + 2 * n, n * config.hidden_size))
+        self.static = nn.Parameter(torch.zeros(n * n + 2 * n))
+        self.gates = nn.Parameter(torch.full((3,), 0.01))
+
+    def forward(self, H, norm, branch):
+        """H_k = sum_i H_res_ki H_i + H_post_k F(N(sum_i H_pre_i H_i)), streams H [b, s, n, h]."""
+        n = self.rate
+        flat = H.flatten(-2).float()
+        x = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.eps)
+        mapped = x @ self.phi.float().t()
+        gate, b = self.gates.float(), self.static.float()
+        pre = torch.sigmoid(gate[0] * mapped[..., :n] + b[:n])
+        post = 2 * torch.sigmoid(gate[1] * mapped[..., n:2 * n] + b[n:2 * n])
+        res = (gate[2] * mapped[..., 2 * n:] + b[2 * n:]).unflatten(-1, (n, n)).exp()
+        for _ in range(self.iterations):
+            res = res / res.sum(-1, keepdim=True)
+            res = res / res.sum(-2, keepdim=True)
+        pre, post, res = pre.to(H.dtype), post.to(H.dtype), res.to(H.dtype)
+        r = branch(norm((pre.unsqueeze(-1) * H).sum(-2)))
+        return res @ H + post.unsqueeze(-1) * r.unsqueeze(-2)
+
+
+class ManifoldConnectionBlock(Block):
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.attn_norm = Norm(config, config.hidden_size)
+        self.mlp_norm = Norm(config, config.hidden_size)
+        self.attn_mhc = ManifoldConnection(config)
+        self.mlp_mhc = ManifoldConnection(config)
+
+    def forward(self, H, ctx):
+        H = self.attn_mhc(H, self.attn_norm, lambda a: self.self_attention(a, ctx))
+        return self.mlp_mhc(H, self.mlp_norm, self.mlp)
+
+
 def post_norm_blocks(config) -> int:
     """Mix-LN's P = floor(ratio L) Post-Norm blocks (rounded as the trainer rounds)."""
     return math.floor(round(config.mixln_post_ratio * config.num_hidden_layers, 9))
@@ -384,6 +430,8 @@ def build_block(config, index: int) -> nn.Module:
         return PeriLNBlock(config, index)
     if scheme == "olmo2":
         return OLMo2Block(config, index)
+    if scheme == "mhc":
+        return ManifoldConnectionBlock(config, index)
     raise ValueError(f"residual_scheme ({scheme!r}) has no block in this remote code")
 
 
@@ -402,7 +450,7 @@ class MergeNorm(nn.Module):
 
 
 class StreamSumNorm(nn.Module):
-    """Hyper-connections' end: the sum of the streams, then a norm."""
+    """Hyper-connections' end (hc and mhc): the sum of the streams, then a norm."""
 
     def __init__(self, config):
         super().__init__()
@@ -418,7 +466,7 @@ def build_final(config) -> nn.Module:
         return nn.Identity()  # every block already ends in a norm
     if scheme in ("siamese", "siamese_hybrid"):
         return MergeNorm(config)
-    if scheme == "hc":
+    if scheme in ("hc", "mhc"):
         return StreamSumNorm(config)
     if scheme in ("pre", "hybridnorm", "mixln", "periln", "olmo2"):
         return Norm(config, config.hidden_size)
@@ -508,7 +556,7 @@ class SiameseNormModel(SiameseNormPreTrainedModel):
         scheme = self.config.residual_scheme
         if scheme in ("siamese", "siamese_hybrid"):
             return h, h
-        if scheme == "hc":
+        if scheme in ("hc", "mhc"):
             return h.unsqueeze(-2).expand(*h.shape[:-1], self.config.hc_rate, h.shape[-1])
         return h
 

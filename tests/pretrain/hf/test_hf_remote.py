@@ -64,6 +64,7 @@ CASES = {
     "hc-static": ("hc", {"hc_dynamic": False, "hc_rate": 2}),
     "periln": ("periln", {}),
     "olmo2": ("olmo2", {}),
+    "mhc": ("mhc", {"hc_rate": 3, "mhc_sinkhorn_iterations": 7}),
 }
 
 
