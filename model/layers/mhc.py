@@ -21,7 +21,7 @@ sum kept. After the last block the streams are summed, then the final norm, as f
 Where implementations differ, this reading: exp before Sinkhorn (the paper's M^(0) =
 exp(Hr~); the first exp and row division are one softmax, exactly equal); no epsilon in the
 divisions; 2 sigmoid for H_post and a plain sigmoid for H_pre; the RMS normalisation of the
-flattened vector has no weight of its own (one would scale phi's rows and nothing else) and is
+flattened vector has no weight of its own (one would scale phi's columns, nothing else) and is
 applied after the product (x' phi = (vec(X) phi) / RMS: the paper's reordering, which keeps no
 normalised copy of the streams); the gates a start at 0.01 (the paper's init), b at 0 (so H_pre
 = 1/2, H_post = 1 and H_res = 1/n everywhere: with identical streams the model starts as
