@@ -16,15 +16,21 @@ recompile after the first step.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from model.layers.base import SchemeLayer
 from runtime import device
 from runtime.errors import ConfigError
+
+log = logging.getLogger("pretrain")
 
 # Entries a code object may hold before Dynamo falls back to eager: every block class of a
 # model shares one per distinct set of guarded constants; megatron's default (8) is ample for
@@ -59,15 +65,35 @@ def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False)
                           "machine); set it false")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
+    _warn_once_outside()
     options = {"triton.cudagraphs": True} if cuda_graphs else None
     found = blocks(chunks)
     for block in found:
+        # A scheme's own layer compiles its equations (compute); its forward's last call,
+        # megatron's make_viewless_tensor, makes a tensor with requires_grad (which Dynamo
+        # refuses) whenever the output is a view (hyper-connections' joined streams), so it
+        # stays eager. megatron's own layer (pre) compiles whole.
+        name = "compute" if isinstance(block, SchemeLayer) else "forward"
         # dynamic=False: every step's shapes are the same (sequence length, micro-batch), and
         # packed documents change values (document ids, positions), not shapes. Floats and
         # ints a block holds (its layer number, SiameseNorm's c_l) are constants of its graph.
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=False,
-                                      options=options)
+        setattr(block, name, torch.compile(getattr(block, name), backend=backend,
+                                           dynamic=False, options=options))
     return len(found)
+
+
+def _warn_once_outside() -> None:
+    """megatron's tensor-parallel linear advises CUDA_DEVICE_MAX_CONNECTIONS=1 once per
+    process, with ``warnings.warn`` and by setting an attribute on itself: two graph breaks
+    inside a compiled block at TP > 1. The advice is given here, eagerly, where it applies
+    (a CUDA run with TP > 1), and megatron's flag set so the compiled code never reaches it."""
+    if linear_with_grad_accumulation_and_async_allreduce.warned:
+        return
+    if device.uses_cuda() and parallel_state.get_tensor_model_parallel_world_size() > 1 \
+            and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        log.warning("with tensor parallelism, CUDA_DEVICE_MAX_CONNECTIONS=1 lets megatron "
+                    "overlap its collectives with compute (set it before the launch)")
+    linear_with_grad_accumulation_and_async_allreduce.warned = True
 
 
 def compile_seconds() -> float:

@@ -36,7 +36,9 @@ def start(embedding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def split(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The n streams of a packed [s, b, n h] tensor as a [s, b, n, h] view."""
-    return packed.unflatten(-1, (n, packed.shape[-1] // n))
+    # reshape, not Tensor.unflatten: the same view, but unflatten's Python wrapper calls
+    # super(), which torch.compile cannot trace (a graph break in every compiled block).
+    return packed.reshape(*packed.shape[:-1], n, packed.shape[-1] // n)
 
 
 def join(streams: torch.Tensor) -> torch.Tensor:

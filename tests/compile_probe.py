@@ -60,7 +60,11 @@ def worst_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
 def rank_counts(schemes: list[str], parallel_fields: dict, out: str) -> None:
     """On each spawned rank: :func:`step_counts` for ``schemes``, written by rank 0."""
     parallel.initialize(ParallelConfig(**parallel_fields), seed=1234)
-    result = {s: step_counts(s, parallel_fields) for s in schemes}
+    result = {}
+    for scheme in schemes:
+        counts = step_counts(scheme, parallel_fields)
+        result[scheme] = {"counts": counts, "reasons": {
+            reason.splitlines()[0]: n for reason, n in compiled.break_reasons().items()}}
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     parallel.destroy()

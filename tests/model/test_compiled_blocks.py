@@ -20,24 +20,34 @@ SCHEMES = [s.value for s in ResidualScheme]
 
 def expected_graphs(scheme: str, layers: int = 3) -> int:
     """Graphs a 3-block model compiles in its first step: one per block class (Mix-LN and
-    HybridNorm* have two), except that SiameseNorm's c_l = sqrt(2 l) is a float constant of
-    each block, which Dynamo guards, so two-stream blocks compile once each."""
-    return layers if scheme in ("siamese", "siamese_hybrid") else 2
+    HybridNorm* have two), except where a block holds a constant of its own that Dynamo
+    guards: SiameseNorm's c_l = sqrt(2 l) and hyper-connections' per-block index make every
+    block of those schemes its own graph."""
+    return layers if scheme in ("siamese", "siamese_hybrid", "hc") else 2
 
 
-# Not yet free of breaks: hyper-connections' stream split (Tensor.unflatten reaches a
-# super() call Dynamo cannot trace) and its output, a view of the streams, for which megatron's
-# make_viewless_tensor creates a tensor with requires_grad inside the graph; mhc adds
-# torch.autograd.grad (its Sinkhorn backward). Each is a break, not an error: they run.
-BREAKING = {"hc", "mhc"}
+# Not yet free of breaks: mhc's stream split calls Tensor.unflatten (its Python wrapper
+# reaches a super() call Dynamo cannot trace) and its Sinkhorn backward torch.autograd.grad.
+# A break is not an error: it runs, in more graphs.
+BREAKING = {"mhc"}
 
 
-def _schemes_held_to_zero():
-    return [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="graph breaks"))
-            if s in BREAKING else s for s in SCHEMES]
+# The fast tier compiles these two (single- and two-stream); the rest of the registry, a few
+# seconds each, runs in the full suite.
+FAST = {"pre", "siamese"}
 
 
-@pytest.mark.parametrize("scheme", _schemes_held_to_zero())
+def _every_scheme(breaking_fail: bool = False):
+    params = []
+    for s in SCHEMES:
+        marks = [] if s in FAST else [pytest.mark.slow]
+        if breaking_fail and s in BREAKING:
+            marks.append(pytest.mark.xfail(strict=True, reason="graph breaks"))
+        params.append(pytest.param(s, marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("scheme", _every_scheme(breaking_fail=True))
 def test_no_graph_break_nor_recompile_after_first_step(single_rank, scheme):
     counts = compile_probe.step_counts(scheme, {})
     breaks = sum(b for _, b in counts)
@@ -46,19 +56,28 @@ def test_no_graph_break_nor_recompile_after_first_step(single_rank, scheme):
     assert 1 <= counts[0][0] <= expected_graphs(scheme), counts
 
 
+# The breaks left at TP=2 with sequence parallelism, all in megatron's tensor-parallel
+# collectives: the all-gather in the column-parallel linear's backward is issued with
+# async_op=True, which Dynamo refuses; and on the CPU only, the CPU layer's stand-in for
+# torch.cuda.current_device (a torch.cuda attribute returning a device, which Dynamo takes for
+# a torch op). Anything else is a regression.
+TP_BREAKS = ("async_op=True for distributed collectives", "torch.* op returned non-Tensor")
+
+
 @pytest.mark.slow  # starts two processes
-def test_no_graph_break_nor_recompile_at_tp2_with_sp(tmp_path):
+def test_tp2_with_sp_breaks_only_in_collectives_and_never_recompiles(tmp_path):
     out = tmp_path / "counts.json"
     spawn(2, compile_probe.rank_counts, SCHEMES, {"tp": 2, "sequence_parallel": True},
           str(out))
-    for scheme, counts in json.loads(out.read_text()).items():
-        if scheme in BREAKING:
-            continue
-        assert sum(b for _, b in counts) == 0, (scheme, counts)
+    for scheme, result in json.loads(out.read_text()).items():
+        counts = result["counts"]
         assert [g for g, _ in counts[1:]] == [0, 0], (scheme, counts)
+        if scheme not in BREAKING:
+            unknown = set(result["reasons"]) - set(TP_BREAKS)
+            assert not unknown, (scheme, result["reasons"])
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", _every_scheme())
 def test_compiled_matches_eager(single_rank, scheme):
     losses, grads = compile_probe.loss_and_grads(scheme, {}, None)
     c_losses, c_grads = compile_probe.loss_and_grads(scheme, {}, "aot_eager")
@@ -91,3 +110,23 @@ def test_inductor_matches_eager(single_rank):
     c_losses, c_grads = compile_probe.loss_and_grads("siamese", {}, "inductor", layers=2)
     assert c_losses == pytest.approx(losses, rel=1e-5)
     assert compile_probe.worst_relative(c_grads, grads) <= 1e-5
+
+
+def test_cli_run_compiled_matches_eager(data, tmp_path):
+    """A whole short run through the CLI, compiled (aot_eager: the same capture inductor
+    gets, without its code generation) against eager: per-step losses within 1e-5 relative.
+    The bound: fp32 and the same ops in the same order, so only a reassociation inside the
+    captured graph differs (measured 8e-8 with inductor over 6 steps of pre, docs/compile.md);
+    a wrong region (the negative control above: 1e-3) is 100 x over it."""
+    from tests.pretrain_fixtures import cli, train_args, train_losses
+
+    common = ["--run.steps=4", "--run.eval_interval=2", "--model.residual_scheme=siamese"]
+    cli(*train_args(data, tmp_path / "eager", *common))
+    run = cli(*train_args(data, tmp_path / "compiled", *common, "--kernels.compile=true",
+                          "--kernels.compile_backend=aot_eager"))
+    eager, compiled_losses = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert compiled_losses.keys() == eager.keys()
+    for step, loss in eager.items():
+        assert compiled_losses[step] == pytest.approx(loss, rel=1e-5), step
+    assert "0 graph breaks" in run.stdout + run.stderr
+    assert (tmp_path / "compiled" / "compile_cache").is_dir()
