@@ -98,7 +98,7 @@ def test_document_ids_put_each_eod_in_the_document_it_ends():
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "sdpa-mask", "local"])
-@pytest.mark.parametrize("scheme", ["pre", "siamese", "siamese_hybrid", "hc"])
+@pytest.mark.parametrize("scheme", ["pre", "siamese", "siamese_hybrid", "hc", "mhc"])
 def test_packed_documents_compute_what_each_computes_alone(single_rank, device, monkeypatch,
                                                            scheme, backend):
     """``sdpa``: one call per document (flex attention on CUDA); ``sdpa-mask``: SDPA with the

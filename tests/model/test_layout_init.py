@@ -29,6 +29,7 @@ CASES = {  # name: (scheme, model fields)
     "hybrid-tied-olmo": ("siamese_hybrid", {"init": "full_megatron",
                                             "untie_embeddings_and_output_weights": False}),
     "deepnorm": ("deepnorm", {}),
+    "mhc": ("mhc", {}),  # its mappings' phi is drawn by the scheme's own init_std
 }
 LAYOUTS = {"tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "pp2-vp2": (2, dict(pp=2, vp=2)),
            "tp2-pp2": (4, dict(tp=2, pp=2))}
@@ -113,3 +114,16 @@ def test_init_distributions(single_rank, method, scheme):
     for name, param in params.items():
         if "norm" in name:
             assert bool((param == 1).all()), name
+
+
+def test_mhc_phi_is_drawn_at_its_std(single_rank):
+    """mhc's phi, the one random parameter a scheme draws itself (``init_std``): normal with
+    std 1/sqrt(n C), the same in every block and sublayer, each drawn apart."""
+    cfg = tiny_model("mhc", hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                     ffn_hidden_size=128)
+    params = dict(build_model(cfg, PAR, seed=3)[0].named_parameters())
+    phis = [p.detach().double() for n, p in params.items() if n.endswith("_mhc.phi")]
+    assert len(phis) == 2 * cfg.num_layers
+    for phi in phis:
+        assert phi.std().item() == pytest.approx((cfg.hc_rate * 64) ** -0.5, rel=0.05)
+    assert not torch.equal(phis[0], phis[1])
