@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from kernels import occupancy
+from kernels import norm_library, occupancy
 from kernels import triton_kernels as kern
 
 
@@ -116,50 +116,72 @@ def _sum_partials(partials: torch.Tensor, params: list[torch.Tensor | None]):
     return [None if p is None else sums[i].to(p.dtype) for i, p in enumerate(params)]
 
 
+def norm_forward(x, residual, alpha: float, weight, bias, eps: float, is_rms: bool,
+                 zero_stats: bool = False):
+    """(out, stats) of N(x), or N(alpha x + r) with a ``residual`` r: out shaped like x,
+    stats the per-row fp32 values backward reads. Shared by :class:`NormFunction` (eager) and
+    the registered op ``siamesenorm::norm`` (compiled blocks, ``kernels/norm_library.py``),
+    which sets ``zero_stats``: RMSNorm leaves a column of stats unwritten, and an op's output
+    must be a function of its inputs."""
+    rows = _rows(x)
+    res = rows if residual is None else _rows(residual)
+    n_rows, n_cols = rows.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    stats = (torch.zeros if zero_stats else torch.empty)((n_rows, 2), dtype=torch.float32,
+                                                         device=x.device)
+    if n_rows:
+        launch = _launch_args(n_cols)
+        kern.norm_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
+            rows, rows.stride(0), res, res.stride(0), alpha, weight,
+            weight if bias is None else bias, out, stats, n_rows, n_cols, eps,
+            IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+            **launch)
+    return out.view(x.shape), stats
+
+
+def norm_backward(grad, x, residual, alpha: float, weight, stats, has_bias: bool,
+                  is_rms: bool):
+    """(dx, dr, dw, db) of :func:`norm_forward` (dr None without a residual, db None without
+    a bias), dx and dr shaped like ``grad``."""
+    rows = _rows(x)
+    res = rows if residual is None else _rows(residual)
+    n_rows, n_cols = rows.shape
+    g = _rows(grad)
+    dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+    has_residual = residual is not None
+    dr = torch.empty_like(dx) if has_residual else dx
+    launch = _launch_args(n_cols, NORM_BACKWARD_TILE, MAX_BACKWARD_WARPS,
+                          NORM_BACKWARD_WARP_VALUES)
+
+    def run(kernel, partials, rows_per_program):
+        return kernel(
+            rows, rows.stride(0), res, res.stride(0), alpha, weight, stats, g,
+            g.stride(0), dx, dr, partials, n_rows, n_cols, rows_per_program,
+            IS_RMS=is_rms, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, **launch)
+
+    partials = _backward(kern.norm_bwd, n_rows, rows.device, 1 + has_bias, n_cols, run)
+    dw, db = _sum_partials(partials, [weight, weight if has_bias else None])
+    dres = dr.view(grad.shape) if has_residual else None
+    return dx.view(grad.shape), dres, dw, db
+
+
 class NormFunction(torch.autograd.Function):
     """out = N(x) for RMSNorm (``bias`` None) or LayerNorm; with a ``residual`` r,
     out = N(alpha x + r) (Post-Norm's residual add fused into its norm)."""
 
     @staticmethod
     def forward(ctx, x, residual, alpha: float, weight, bias, eps: float, is_rms: bool):
-        rows = _rows(x)
-        res = rows if residual is None else _rows(residual)
-        n_rows, n_cols = rows.shape
-        out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)
-        if n_rows:
-            launch = _launch_args(n_cols)
-            kern.norm_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-                rows, rows.stride(0), res, res.stride(0), alpha, weight,
-                weight if bias is None else bias, out, stats, n_rows, n_cols, eps,
-                IS_RMS=is_rms, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-                **launch)
-        ctx.save_for_backward(rows, res, weight, stats)
-        ctx.has_bias, ctx.is_rms = bias is not None, is_rms
-        ctx.has_residual, ctx.alpha = residual is not None, alpha
-        return out.view(x.shape)
+        out, stats = norm_forward(x, residual, alpha, weight, bias, eps, is_rms)
+        ctx.save_for_backward(x, residual, weight, stats)
+        ctx.has_bias, ctx.is_rms, ctx.alpha = bias is not None, is_rms, alpha
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        rows, res, weight, stats = ctx.saved_tensors
-        n_rows, n_cols = rows.shape
-        g = _rows(grad)
-        dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
-        dr = torch.empty_like(dx) if ctx.has_residual else dx
-        launch = _launch_args(n_cols, NORM_BACKWARD_TILE, MAX_BACKWARD_WARPS,
-                              NORM_BACKWARD_WARP_VALUES)
-
-        def run(kernel, partials, rows_per_program):
-            return kernel(
-                rows, rows.stride(0), res, res.stride(0), ctx.alpha, weight, stats, g,
-                g.stride(0), dx, dr, partials, n_rows, n_cols, rows_per_program,
-                IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, HAS_RESIDUAL=ctx.has_residual,
-                **launch)
-
-        partials = _backward(kern.norm_bwd, n_rows, rows.device, 1 + ctx.has_bias, n_cols, run)
-        dw, db = _sum_partials(partials, [weight, weight if ctx.has_bias else None])
-        dres = dr.view(grad.shape) if ctx.has_residual else None
-        return dx.view(grad.shape), dres, None, dw, db, None, None
+        x, residual, weight, stats = ctx.saved_tensors
+        dx, dres, dw, db = norm_backward(grad, x, residual, ctx.alpha, weight, stats,
+                                         ctx.has_bias, ctx.is_rms)
+        return dx, dres, None, dw, db, None, None
 
 
 class Entry(NamedTuple):
@@ -398,12 +420,16 @@ def qkv_norm(mixed: torch.Tensor, heads: int, dim: int, eps: float, is_rms: bool
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
          is_rms: bool) -> torch.Tensor:
     """RMSNorm (``is_rms``, no bias) or LayerNorm of the last dimension."""
+    if torch.compiler.is_compiling():  # the registered op: Dynamo does not trace the launch
+        return norm_library.norm(x, None, 1.0, weight, None if is_rms else bias, eps, is_rms)
     return NormFunction.apply(x, None, 1.0, weight, None if is_rms else bias, eps, is_rms)
 
 
 def add_norm(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tensor,
              bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
     """N(alpha h + r) in one pass (:class:`NormFunction` with a residual)."""
+    if torch.compiler.is_compiling():
+        return norm_library.norm(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)
     return NormFunction.apply(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)
 
 

@@ -18,13 +18,15 @@ from tests.helpers import MBS, SEQ, document_batches, tiny_model
 
 
 def step_counts(scheme: str, parallel_fields: dict, backend: str = "eager",
-                steps: int = 3, layers: int = 3) -> list[tuple[int, int]]:
+                steps: int = 3, layers: int = 3,
+                norm_backend: str = "torch") -> list[tuple[int, int]]:
     """(graphs compiled, graph breaks) in each of ``steps`` steps of two micro-batches whose
     packed documents differ from batch to batch."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
-    chunks = build_model(tiny_model(scheme, num_layers=layers), par, positions_per_token=True)
+    chunks = build_model(tiny_model(scheme, num_layers=layers), par, norm_backend=norm_backend,
+                         positions_per_token=True)
     compiled.compile_blocks(chunks, backend)
     ddp = wrap_ddp(chunks, par)
     counts = []
@@ -35,14 +37,14 @@ def step_counts(scheme: str, parallel_fields: dict, backend: str = "eager",
     return counts
 
 
-def loss_and_grads(scheme: str, parallel_fields: dict, backend: str | None,
-                   layers: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def loss_and_grads(scheme: str, parallel_fields: dict, backend: str | None, layers: int = 3,
+                   norm_backend: str = "torch") -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and every gradient of one step, eager (``backend`` None) or compiled."""
     torch._dynamo.reset()
     par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
     torch.manual_seed(3)
     chunks = build_model(tiny_model(scheme, num_layers=layers), par, seed=11,
-                         positions_per_token=True)
+                         norm_backend=norm_backend, positions_per_token=True)
     if backend is not None:
         compiled.compile_blocks(chunks, backend)
     ddp = wrap_ddp(chunks, par)
@@ -62,7 +64,7 @@ def rank_counts(schemes: list[str], parallel_fields: dict, out: str) -> None:
     parallel.initialize(ParallelConfig(**parallel_fields), seed=1234)
     result = {}
     for scheme in schemes:
-        counts = step_counts(scheme, parallel_fields)
+        counts = step_counts(scheme, parallel_fields, layers=4)  # divisible by pp 2
         result[scheme] = {"counts": counts, "reasons": {
             reason.splitlines()[0]: n for reason, n in compiled.break_reasons().items()}}
     if torch.distributed.get_rank() == 0:
