@@ -705,7 +705,7 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         require(value >= 0, f"eval.{name} ({value}) must be >= 0")
     if ev.include_path:
         require_folder(ev.include_path, "eval.include_path")
-    _validate_compile(config.kernels)
+    _validate_compile(config.kernels, config.parallel.recompute)
     dg = config.diagnostics
     require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
     require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
@@ -729,7 +729,11 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
                      f"({config.parallel.pp}) and larger than it with virtual pipelining")
 
 
-def _validate_compile(k: KernelsConfig) -> None:
+def _validate_compile(k: KernelsConfig, recompute: str) -> None:
+    require(not (k.compile and recompute == "selective"),
+            "kernels.compile (true) and parallel.recompute (selective) do not compose: "
+            "megatron's checkpoint of core attention saves and restores the RNG state inside "
+            "the block, which breaks its graph; use parallel.recompute full or none")
     if k.cuda_graphs:
         require(k.compile, "kernels.cuda_graphs (true) needs kernels.compile true: the graphs "
                 "are captured around the compiled blocks")

@@ -130,3 +130,69 @@ def test_cli_run_compiled_matches_eager(data, tmp_path):
         assert compiled_losses[step] == pytest.approx(loss, rel=1e-5), step
     assert "0 graph breaks" in run.stdout + run.stderr
     assert (tmp_path / "compiled" / "compile_cache").is_dir()
+
+
+@pytest.mark.parametrize("kernels, message", [
+    (dict(cuda_graphs=True), "kernels.cuda_graphs (true) needs kernels.compile true"),
+    (dict(compile=True, cuda_graphs=True, compile_backend="aot_eager"),
+     "kernels.cuda_graphs (true) needs kernels.compile_backend inductor, not aot_eager"),
+])
+def test_cuda_graphs_settings_are_refused_in_one_line(kernels, message):
+    from pretrain.config import Config, KernelsConfig, validate
+    from runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(Config(kernels=KernelsConfig(**kernels)))
+
+
+def test_selective_recompute_is_refused_with_compile():
+    from model.config import ParallelConfig
+    from pretrain.config import Config, KernelsConfig, validate
+    from runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kernels.compile \(true\) and parallel.recompute "
+                                          r"\(selective\) do not compose"):
+        validate(Config(kernels=KernelsConfig(compile=True),
+                        parallel=ParallelConfig(recompute="selective")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_graphs_are_refused_without_cuda(single_rank):
+    from model.builder import build_model
+    from model.config import ParallelConfig
+    from runtime.errors import ConfigError
+    from tests.helpers import tiny_model
+
+    chunks = build_model(tiny_model("pre", num_layers=1), ParallelConfig())
+    with pytest.raises(ConfigError, match=r"kernels.cuda_graphs \(true\) needs a CUDA device"):
+        compiled.compile_blocks(chunks, "inductor", cuda_graphs=True)
+
+
+RECOMPUTE = {"full-1": dict(recompute="full", recompute_num_layers=1),
+             "full-2": dict(recompute="full", recompute_num_layers=2)}
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE)
+@pytest.mark.parametrize("scheme", ["pre", "siamese"])
+def test_compiled_with_full_recompute(single_rank, scheme, recompute):
+    """Full recompute runs the compiled blocks inside megatron's checkpoint: a no-grad graph,
+    then the recomputation's with grad, both in the first step. (Selective recompute is
+    refused with compile: megatron's checkpoint inside the block saves the RNG state.)"""
+    counts = compile_probe.step_counts(scheme, RECOMPUTE[recompute], steps=2)
+    assert sum(b for _, b in counts) == 0, compiled.break_reasons()
+    assert counts[1][0] == 0, counts
+    losses, grads = compile_probe.loss_and_grads(scheme, RECOMPUTE[recompute], None)
+    c_losses, c_grads = compile_probe.loss_and_grads(scheme, RECOMPUTE[recompute], "aot_eager")
+    assert c_losses == pytest.approx(losses, rel=1e-5)
+    assert compile_probe.worst_relative(c_grads, grads) <= 1e-5
+
+
+@pytest.mark.slow  # starts two processes
+def test_compiled_under_pipeline_parallelism(tmp_path):
+    """PP=2 with 1F1B, blocks split over two ranks: no break, no recompile after step 1."""
+    out = tmp_path / "counts.json"
+    spawn(2, compile_probe.rank_counts, ["pre", "siamese"], {"pp": 2}, str(out))
+    for scheme, result in json.loads(out.read_text()).items():
+        counts = result["counts"]
+        assert sum(b for _, b in counts) == 0, (scheme, result["reasons"])
+        assert [g for g, _ in counts[1:]] == [0, 0], (scheme, counts)
