@@ -88,6 +88,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the GPU kernels side by side (bench.step_profile)")
     p.add_argument("--deterministic", action="store_true",
                    help="bit-reproducible kernels, as run.deterministic (runtime.device)")
+    p.add_argument("--compile", default="none",
+                   help="compile each block (kernels.compile) with this torch.compile backend: "
+                        "inductor, aot_eager, eager; none: eager blocks")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --compile inductor: CUDA graphs around each compiled block "
+                        "(kernels.cuda_graphs)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -125,6 +131,10 @@ def build(args, scheme: str):
     torch.manual_seed(0)
     chunks = build_model(model_cfg, config.parallel, torch.bfloat16, args.norm_backend,
                          positions_per_token=bool(args.documents))
+    if args.compile != "none":
+        from model import compiled
+
+        compiled.compile_blocks(chunks, args.compile, args.cuda_graphs)
     chunks = wrap_ddp([Float16Module(c.config, c) for c in chunks], config.parallel)
     optimizer = None
     if not args.no_optimizer:
@@ -186,6 +196,11 @@ def measure(args, scheme: str) -> dict:
     losses = [float(loss) for loss in losses]
     if not all(map(math.isfinite, losses)):
         raise RuntimeError(f"{scheme}: non-finite loss {losses}")
+    compile_seconds = 0.0
+    if args.compile != "none":  # compiled in the warm-up steps
+        from model import compiled
+
+        compile_seconds = compiled.compile_seconds()
     profile = step_profile.kernel_times(step, args.profile) if args.profile else None
     parameters = count_parameters(chunks)
     throughput = Throughput(config)
@@ -201,6 +216,8 @@ def measure(args, scheme: str) -> dict:
         "attention": str(resolve_attention_backend(config.model.attention_backend)),
         "linears": str(resolve_transformer_impl(config.model.transformer_impl)),
         "norms": str(resolve(args.norm_backend)), "profile": profile,
+        "compile": args.compile, "cuda_graphs": args.cuda_graphs,
+        "compile_s": compile_seconds,
     }
 
 

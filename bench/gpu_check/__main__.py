@@ -35,6 +35,8 @@ PARTS = [
     Part("kernel_alternatives", "backward layouts at 4096 and 8192", 40, 15,
          bench_parts.kernel_alternatives),
     Part("documents", "steps with document attention (flex)", 45, 30, bench_parts.documents),
+    Part("compiled", "pre and siamese compiled, then with CUDA graphs", 120, 60,
+         bench_parts.compiled_steps),
 ]
 
 

@@ -117,6 +117,7 @@ def summary_rows(pooled: dict[str, dict], pre: dict | None = None) -> list[dict]
     for scheme, result in pooled.items():
         s = gpu_step.summarise(result)
         rows.append({"scheme": scheme, "micro_batch": result["micro_batch"],
+                     "compile_s": result.get("compile_s"),
                      "parameters": result["parameters"], "samples": len(result["step_s"]),
                      "fwd_bwd_ms": 1e3 * s["fwd_bwd"], "optimizer_ms": 1e3 * s["optimizer"],
                      "step_ms": 1e3 * s["step"], "tokens_per_s": s["tokens"],
@@ -159,6 +160,25 @@ def documents(ctx: Context) -> dict:
     s = ctx.sizes
     return measure_steps(ctx, ("pre", "siamese"), 1, s.layers, s.micro_batch,
                          extra=("--documents", "512"), pre=_pre_row(ctx))
+
+
+def compiled_steps(ctx: Context) -> dict:
+    """pre and siamese with compiled blocks (kernels.compile), then with CUDA graphs around
+    them (kernels.cuda_graphs), at the step table's setting: against the step table's eager
+    rows by step ms, ``step / pre`` to the compiled pre of the same variant; each row's
+    compile seconds (in its warm-up steps). The rehearsal compiles with aot_eager (Dynamo's
+    capture, no code generation) and has no CUDA graphs."""
+    s = ctx.sizes
+    backend = "aot_eager" if ctx.rehearsal else "inductor"
+    variants = {"compiled": ("--compile", backend)}
+    if not ctx.rehearsal:
+        variants["compiled_cuda_graphs"] = ("--compile", backend, "--cuda-graphs")
+    data = {}
+    for name, extra in variants.items():
+        data[name] = measure_steps(ctx, ("pre", "siamese"), 1, s.layers, s.micro_batch,
+                                   extra=extra, pre=_pre_row(ctx))
+        ctx.save(data)
+    return data
 
 
 def optimizer(ctx: Context) -> dict:

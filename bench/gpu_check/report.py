@@ -118,12 +118,25 @@ def alternatives(data: dict) -> list[str]:
                            right_from=3)]
 
 
+def compiled(data: dict) -> list[str]:
+    """The compiled rows (and CUDA-graph rows) as step tables, compile seconds added."""
+    lines = []
+    for name, title in (("compiled", "Compiled blocks"),
+                        ("compiled_cuda_graphs", "Compiled blocks with CUDA graphs")):
+        if name in data:
+            lines += steps(title, data[name])
+            lines += ["", "Compile seconds (warm-up steps): " + ", ".join(
+                f"{r['scheme']} {_num(r.get('compile_s'))}" for r in data[name]["rows"])]
+    return lines
+
+
 SECTIONS = {"calibration": calibration, "tests": tests, "norms": norms,
             "steps": lambda d: steps("Step table", d),
             "more_schemes": lambda d: steps("More schemes", d),
             "optimizer": lambda d: steps("Optimizer step at the full depth", d),
             "profile": lambda d: steps("Profile of siamese against pre", d),
-            "kernel_alternatives": alternatives}
+            "kernel_alternatives": alternatives,
+            "compiled": compiled}
 
 
 def not_run(result: dict) -> list[str]:
