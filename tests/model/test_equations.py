@@ -246,15 +246,17 @@ def test_logits_and_grads_match_equations(single_rank, device, scheme, extra, no
     logits = model(tokens.to(device), positions.to(device), None)
     ref = Reference(cfg, dict(model.named_parameters()))
     expected = ref.logits(tokens)
-    assert logits.shape == expected.shape
-    assert rel_err(logits, expected) <= 1e-5
+    where = f"{scheme} {extra or ''} {normalization}"
+    assert logits.shape == expected.shape, where
+    assert rel_err(logits, expected) <= 1e-5, f"{where}: logits differ from its equations"
 
     probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
     (logits * probe.to(device)).sum().backward()
     (expected * probe.double()).sum().backward()
     for name, param in model.named_parameters():
-        assert param.grad is not None, name
-        assert rel_err(param.grad, ref.p[name].grad) <= grad_tolerance(name), name
+        assert param.grad is not None, f"{where}: {name} gets no gradient"
+        err = rel_err(param.grad, ref.p[name].grad)
+        assert err <= grad_tolerance(name), f"{where}: the gradient of {name} is {err:.1e} off"
 
 
 def grad_tolerance(name: str) -> float:
