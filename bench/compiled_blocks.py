@@ -5,10 +5,10 @@ For each scheme it builds the model twice from one seed (default: the CPU demo's
 ``configs/demo-cpu.toml``: 6 x 128, one micro-batch of 16 x 128 tokens, fp32), compiles the
 second one's blocks (``model/compiled.py``, inductor unless ``--backend``), and times
 forward+backward steps of the two alternately, one of each per round, after the compiled
-model's first step (which compiles, and whose seconds are reported). Also printed: the steps
-after which compiling has paid for itself (compile seconds / seconds saved per step; "never"
-when compiled is not faster). Inductor's cache goes to a fresh temporary folder unless
-``--cache``, so the compile time is a first start's.
+model's first step (which compiles, and whose seconds are reported). Also printed: the
+micro-batches after which compiling has paid for itself (compile seconds / seconds saved per
+micro-batch; "never" when compiled is not faster). Inductor's cache goes to a fresh
+temporary folder unless ``--cache``, so the compile time is a first start's.
 
     python -m bench.compiled_blocks [--schemes pre,siamese,siamese_hybrid,hc --layers 6
         --hidden 128 --heads 4 --ffn 512 --seq 128 --batch 16 --repeats 10 --backend inductor]
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.vocab}, fp32; backend {args.backend}; median of {args.repeats} alternating "
           "rounds after the first step\n")
     print(markdown_table(["scheme", "eager ms", "compiled ms", "speed-up", "compile s",
-                          "first step s", "steps to pay back"], rows))
+                          "first step s", "micro-batches to pay back"], rows))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def test_registered_norm_matches_the_autograd_function():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # three compiled models on Triton's interpreter: ~10 s
 def test_compiled_pre_block_on_triton_norms(single_rank):
     counts = compile_probe.step_counts("pre", {}, steps=2, norm_backend="triton")
     assert sum(b for _, b in counts) == 0, compiled.break_reasons()

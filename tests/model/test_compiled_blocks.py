@@ -172,6 +172,7 @@ RECOMPUTE = {"full-1": dict(recompute="full", recompute_num_layers=1),
              "full-2": dict(recompute="full", recompute_num_layers=2)}
 
 
+@pytest.mark.slow  # four models compiled three times each: ~30 s together
 @pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize("scheme", ["pre", "siamese"])
 def test_compiled_with_full_recompute(single_rank, scheme, recompute):
