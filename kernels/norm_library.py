@@ -5,8 +5,10 @@ Python (launch arguments, the backward's occupancy-derived grid, weight-gradient
 it would try to trace that Python and break the graph. Registered as custom ops, with fake
 implementations that give only shapes and dtypes, and their backward registered as a second
 op, the norm enters a compiled block's graph as one opaque call each way: inductor fuses
-around it, never into it. Eager runs keep ``triton_ops.NormFunction``; both compute with
-``triton_ops.norm_forward`` / ``norm_backward``, so the two paths run the same launches.
+around it, never into it. :func:`norm` and :func:`add_norm`, which the Triton-backed
+``Norm`` modules bind, take the op inside a compiled region and ``triton_ops.NormFunction``
+outside it; both compute with ``triton_ops.norm_forward`` / ``norm_backward``, so the two
+paths run the same launches.
 
 Absent tensors in the backward's results (no residual, no bias) come back as empty tensors,
 since an operator returns tensors only; the autograd formula turns them into None.
@@ -17,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels import triton_ops
+
 
 @torch.library.custom_op("siamesenorm::norm", mutates_args=())
 def _norm(x: Tensor, residual: Tensor | None, alpha: float, weight: Tensor,
           bias: Tensor | None, eps: float, is_rms: bool) -> tuple[Tensor, Tensor]:
-    from kernels import triton_ops
-
     return triton_ops.norm_forward(x, residual, alpha, weight, bias, eps, is_rms,
                                    zero_stats=True)
 
@@ -37,8 +39,6 @@ def _(x, residual, alpha, weight, bias, eps, is_rms):
 def _norm_backward(grad: Tensor, x: Tensor, residual: Tensor | None, alpha: float,
                    weight: Tensor, stats: Tensor, has_bias: bool,
                    is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from kernels import triton_ops
-
     dx, dres, dw, db = triton_ops.norm_backward(grad, x, residual, alpha, weight, stats,
                                                 has_bias, is_rms)
     # dw and db are rows of one sum tensor, and an op's outputs may not alias each other
@@ -72,7 +72,16 @@ def _backward(ctx, grad, _grad_stats):
 _norm.register_autograd(_backward, setup_context=_setup)
 
 
-def norm(x: Tensor, residual: Tensor | None, alpha: float, weight: Tensor,
-         bias: Tensor | None, eps: float, is_rms: bool) -> Tensor:
-    """N(x), or N(alpha x + r) with ``residual``: the registered op's output."""
-    return _norm(x, residual, alpha, weight, bias, eps, is_rms)[0]
+def norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, is_rms: bool) -> Tensor:
+    """``triton_ops.norm``, as the registered op inside a compiled region."""
+    if torch.compiler.is_compiling():
+        return _norm(x, None, 1.0, weight, None if is_rms else bias, eps, is_rms)[0]
+    return triton_ops.norm(x, weight, bias, eps, is_rms)
+
+
+def add_norm(h: Tensor, r: Tensor, alpha: float, weight: Tensor, bias: Tensor | None,
+             eps: float, is_rms: bool) -> Tensor:
+    """``triton_ops.add_norm``, as the registered op inside a compiled region."""
+    if torch.compiler.is_compiling():
+        return _norm(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)[0]
+    return triton_ops.add_norm(h, r, alpha, weight, bias, eps, is_rms)

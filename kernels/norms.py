@@ -49,9 +49,11 @@ class Norm(torch.nn.Module):
         for param in self.parameters():
             mark_sequence_parallel(param, config)
         if backend is NormBackend.TRITON:
-            from kernels import triton_ops  # compiled, or interpreted, as decided at its import
+            # compiled, or interpreted, as decided at its import; a registered op inside a
+            # compiled block (kernels.compile)
+            from kernels import norm_library
 
-            self._norm, self._add_norm = triton_ops.norm, triton_ops.add_norm
+            self._norm, self._add_norm = norm_library.norm, norm_library.add_norm
         else:
             self._norm, self._add_norm = reference.norm, reference.add_norm
 

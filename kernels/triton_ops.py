@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from kernels import norm_library, occupancy
+from kernels import occupancy
 from kernels import triton_kernels as kern
 
 
@@ -420,16 +420,12 @@ def qkv_norm(mixed: torch.Tensor, heads: int, dim: int, eps: float, is_rms: bool
 def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
          is_rms: bool) -> torch.Tensor:
     """RMSNorm (``is_rms``, no bias) or LayerNorm of the last dimension."""
-    if torch.compiler.is_compiling():  # the registered op: Dynamo does not trace the launch
-        return norm_library.norm(x, None, 1.0, weight, None if is_rms else bias, eps, is_rms)
     return NormFunction.apply(x, None, 1.0, weight, None if is_rms else bias, eps, is_rms)
 
 
 def add_norm(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tensor,
              bias: torch.Tensor | None, eps: float, is_rms: bool) -> torch.Tensor:
     """N(alpha h + r) in one pass (:class:`NormFunction` with a residual)."""
-    if torch.compiler.is_compiling():
-        return norm_library.norm(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)
     return NormFunction.apply(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)
 
 
