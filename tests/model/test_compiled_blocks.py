@@ -114,16 +114,20 @@ def test_inductor_matches_eager(single_rank):
 
 def test_cli_run_compiled_matches_eager(data, tmp_path):
     """A whole short run through the CLI, compiled (aot_eager: the same capture inductor
-    gets, without its code generation) against eager: per-step losses within 1e-5 relative.
+    gets, without its code generation) and resumed half-way, against eager in one start, with
+    validation in the loop: per-step losses within 1e-5 relative.
     The bound: fp32 and the same ops in the same order, so only a reassociation inside the
     captured graph differs (measured 8e-8 with inductor over 6 steps of pre, docs/compile.md);
     a wrong region (the negative control above: 1e-3) is 100 x over it."""
     from tests.pretrain_fixtures import cli, train_args, train_losses
 
-    common = ["--run.steps=4", "--run.eval_interval=2", "--model.residual_scheme=siamese"]
-    cli(*train_args(data, tmp_path / "eager", *common))
-    run = cli(*train_args(data, tmp_path / "compiled", *common, "--kernels.compile=true",
-                          "--kernels.compile_backend=aot_eager"))
+    common = ["--run.eval_interval=2", "--model.residual_scheme=siamese"]
+    compile_args = ["--kernels.compile=true", "--kernels.compile_backend=aot_eager"]
+    cli(*train_args(data, tmp_path / "eager", "--run.steps=4", *common))
+    # compiled in two starts: 3 steps and a save, then a resume to step 4
+    cli(*train_args(data, tmp_path / "compiled", "--run.steps=3", *common, *compile_args))
+    run = cli(*train_args(data, tmp_path / "compiled", "--run.steps=4", *common,
+                          *compile_args, "--optim.override_schedule=true"))
     eager, compiled_losses = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert compiled_losses.keys() == eager.keys()
     for step, loss in eager.items():
