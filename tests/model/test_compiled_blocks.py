@@ -37,10 +37,10 @@ BREAKING = {"mhc"}
 FAST = {"pre", "siamese"}
 
 
-def _every_scheme(breaking_fail: bool = False):
+def _every_scheme(breaking_fail: bool = False, fast=FAST):
     params = []
     for s in SCHEMES:
-        marks = [] if s in FAST else [pytest.mark.slow]
+        marks = [] if s in fast else [pytest.mark.slow]
         if breaking_fail and s in BREAKING:
             marks.append(pytest.mark.xfail(strict=True, reason="graph breaks"))
         params.append(pytest.param(s, marks=marks))
@@ -77,7 +77,7 @@ def test_tp2_with_sp_breaks_only_in_collectives_and_never_recompiles(tmp_path):
             assert not unknown, (scheme, result["reasons"])
 
 
-@pytest.mark.parametrize("scheme", _every_scheme())
+@pytest.mark.parametrize("scheme", _every_scheme(fast={"pre"}))  # siamese: ~10-16 s
 def test_compiled_matches_eager(single_rank, scheme):
     losses, grads = compile_probe.loss_and_grads(scheme, {}, None)
     c_losses, c_grads = compile_probe.loss_and_grads(scheme, {}, "aot_eager")
