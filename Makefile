@@ -10,9 +10,12 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 	bash scripts/install.sh $(VENV)
 	touch $@
 
-# The 25 slowest tests close the report, so every run shows where the suite's time goes.
+# Two workers (pytest-xdist), each taking whole test modules (tests/conftest.py: worker_group);
+# TEST_WORKERS=0 runs in this process alone. The 25 slowest tests close the report, so every
+# run shows where the suite's time goes.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # The fast tier for the edit loop (< 3 minutes on a 2-core CPU): no test that starts a process,
 # needs a GPU or a cluster (tests/tiers.py holds the markers to that).

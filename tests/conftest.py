@@ -123,3 +123,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+
+
+def worker_group(item: pytest.Item) -> str:
+    """Which tests share a worker under ``pytest -n N --dist loadgroup`` (``make test``): a
+    module's tests stay together, so its module fixtures (a reference run, a slurm cluster)
+    are built once; every cluster test shares one worker, since two slurm or
+    network-namespace clusters at once would contend for the same daemons and names."""
+    return "cluster" if "cluster" in item.keywords else item.nodeid.split("::", 1)[0]
