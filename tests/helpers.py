@@ -88,7 +88,10 @@ def document_batches(count: int, seed: int = 0, seq: int = SEQ, mbs: int = MBS) 
     return out
 
 
-def _bootstrap(rank: int, world: int, port: int, fn, args) -> None:
+def _bootstrap(rank: int, world: int, port: int, fn, args, environ: dict | None) -> None:
+    if environ is not None:  # forked from the fork server: the caller's environment now
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -125,7 +128,28 @@ def spawn(world: int, fn, *args, gpu: bool = False) -> None:
     gloo ranks on the CPU unless ``gpu``, deliberately also on a GPU machine: these tests
     compare a sharded model with an unsharded one, which needs ``world`` devices, and one GPU
     cannot host two NCCL ranks. With ``gpu`` each rank takes its own GPU and NCCL (the
-    ``gpu``-marked parity tests, on machines with enough GPUs)."""
+    ``gpu``-marked parity tests, on machines with enough GPUs).
+
+    CPU ranks are forked from multiprocessing's fork server, which has imported torch and
+    megatron-core once (tests/preload.py) instead of once per rank; it serves only while the
+    environment is the one it started with (test-to-test variables aside), since imports read
+    it. Otherwise, and on a GPU, each rank is a fresh interpreter."""
     with contextlib.nullcontext() if gpu else children_on_cpu():
-        mp.start_processes(_bootstrap, args=(world, free_port(), fn, args), nprocs=world,
-                           join=True, start_method="spawn")
+        environ = dict(os.environ)
+        method = "spawn" if gpu or not _fork_server_takes(environ) else "forkserver"
+        mp.start_processes(_bootstrap, args=(world, free_port(), fn, args,
+                                             environ if method == "forkserver" else None),
+                           nprocs=world, join=True, start_method=method)
+
+
+_fork_server_environ: dict | None = None
+
+
+def _fork_server_takes(environ: dict) -> bool:
+    """Whether the fork server was (or is now) started with ``environ``."""
+    global _fork_server_environ
+    stable = {k: v for k, v in environ.items() if k != "PYTEST_CURRENT_TEST"}
+    if _fork_server_environ is None:
+        mp.get_context("forkserver").set_forkserver_preload(["tests.preload", "tests.helpers"])
+        _fork_server_environ = stable
+    return stable == _fork_server_environ

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 from runtime.launcher import standalone_env
+from tests import tiers
 from tests.helpers import CPU_ONLY_ENV
+from tests.zygote import zygote
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,14 +56,20 @@ def env(gpu: bool = False, **extra: str) -> dict[str, str]:
 def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,
         timeout: int = 300, gpu: bool = False) -> subprocess.CompletedProcess:
     """``python -m pretrain ARGS`` (through torchrun with ``nproc`` ranks when > 1), on the CPU
-    unless ``gpu``."""
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "pretrain", *args]
+    unless ``gpu``. One CPU process in the usual environment is forked from tests/zygote.py,
+    which has done the imports already; ``--verbose`` shows import-time notices, so it
+    starts afresh."""
+    environ = env(gpu, **(extra_env or {}))
+    server = zygote(environ) if nproc == 1 and not gpu and not extra_env \
+        and "--verbose" not in args else None
+    if server is not None and server.takes(environ, REPO):
+        tiers.require("slow", f"starts a process (python -m pretrain {args[0]})")
+        done = server.run(list(args), environ, timeout)
     else:
-        cmd = [sys.executable, "-m", "pretrain", *args]
-    done = subprocess.run(cmd, cwd=REPO, env=env(gpu, **(extra_env or {})), capture_output=True,
-                          text=True, timeout=timeout)
+        launch = ["-m", "torch.distributed.run", "--standalone",
+                  f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        done = subprocess.run([sys.executable, *launch, "-m", "pretrain", *args], cwd=REPO,
+                              env=environ, capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return done

@@ -1,0 +1,282 @@
+"""A preloaded interpreter for the CLI tests: ``python -m pretrain ARGS`` without the start-up.
+
+A tiny CLI run is mostly start-up: importing torch and megatron-core takes ~4 s of CPU, the
+run itself ~1 s, and the suite starts ~150 such processes straight from its tests. This server
+imports what a run imports once, then forks one child per request; the child takes the
+request's arguments, environment, working directory and standard streams and runs
+``pretrain`` as ``__main__``, as ``python -m pretrain`` would from the point where its imports
+are done, and the server reports the child's exit status.
+
+What a child does not share with a fresh interpreter, and why the requests it takes do not
+notice:
+
+- Imports happened before the request. The server takes only requests whose environment
+  equals the one it was started with (:data:`VOLATILE` aside) and whose working directory is
+  its own, so every import read what the fresh process would have read. A modified
+  environment, ``--verbose`` (whose import-time notices a fresh process shows) or a GPU goes
+  to a real process (:func:`tests.pretrain_fixtures.cli` decides).
+- Import-time output. The server sets up the console as the CLI does before importing; if
+  anything still reached its stderr (a new notice a fresh process would print), it refuses to
+  serve, so that noise stays visible to the tests that check the console.
+- Its parent is this server, and it leads a process group of its own: the caller ends it and
+  whatever it started together (a timeout), and tests about signals, process trees and
+  launchers start real processes instead.
+
+Protocol: a ``SOCK_SEQPACKET`` Unix socket in the abstract namespace (nothing on disk to
+clean up); one request per connection, ``{"args", "env", "cwd"}`` as JSON with the child's
+stdin, stdout and stderr passed as descriptors; answers ``{"pid"}`` once forked, then
+``{"returncode"}``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+READY = b"ready\n"
+
+# Variables that change from test to test and are read only while running.
+VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+def _stable(environ: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in VOLATILE}
+
+
+# ---------------------------------------------------------------------------- the server ----
+
+def _die_with_parent() -> None:
+    """SIGTERM when the process that started the server ends (Linux), however it ends."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _preload() -> bool:
+    """Import :mod:`tests.preload` behind the CLI's console set-up; whether the server may
+    serve: nothing printed and no thread started (a fork copies only the thread that forks)."""
+    import tempfile
+
+    from pretrain.report import console
+
+    console.setup()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as noise:
+        os.dup2(noise.fileno(), 2)
+        try:
+            import tests.preload  # noqa: F401
+            sys.stderr.flush()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        quiet = os.fstat(noise.fileno()).st_size == 0
+    threads = len(os.listdir("/proc/self/task"))
+    return quiet and threads == 1 and threading.active_count() == 1
+
+
+def serve(name: str) -> dict:
+    """Answer requests at the abstract socket ``name`` until the caller goes; returns a
+    request, in the forked child only."""
+    _die_with_parent()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + name)
+    listener.listen(4)
+    serving = _preload()
+    sys.stdout.buffer.write(READY if serving else b"refused\n")
+    sys.stdout.flush()
+    if not serving:
+        sys.exit(1)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            message, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                _become(request, fds, conn)
+                return request
+            for fd in fds:
+                os.close(fd)
+            _send(conn, {"pid": pid})
+            _, status = os.waitpid(pid, 0)
+            _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.send(json.dumps(message).encode())
+    except OSError:  # the caller gave up (a timeout ended the child)
+        pass
+
+
+def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
+    """Turn the forked server into the requested process (before ``pretrain`` runs)."""
+    conn.close()
+    os.setpgid(0, 0)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["-m", *request["args"]]
+
+
+# ---------------------------------------------------------------------------- the client ----
+
+class Zygote:
+    """One server per test process, started at the first request it can take."""
+
+    def __init__(self, environ: dict[str, str]):
+        self.environ = _stable(environ)
+        name = f"siamesenorm-zygote-{os.getpid()}-{time.monotonic_ns()}"
+        self.address = "\0" + name
+        self.server = subprocess.Popen(
+            [sys.executable, __file__, name], cwd=REPO, env=environ,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.ready = self.server.stdout.readline() == READY
+        atexit.register(self.close)
+
+    def takes(self, environ: dict[str, str], cwd: Path) -> bool:
+        return self.ready and self.server.poll() is None and Path(cwd) == REPO \
+            and _stable(environ) == self.environ
+
+    def run(self, args: list[str], environ: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess:
+        """As ``subprocess.run([python, -m, pretrain, *args], capture_output=True, text=True,
+        timeout=timeout)`` would."""
+        deadline = time.monotonic() + timeout
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(self.address)
+            request = {"args": list(args), "env": environ, "cwd": str(REPO)}
+            socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+            pid = json.loads(conn.recv(4096))["pid"]
+            try:
+                stdout, stderr = _read_both(out_r, err_r, deadline)
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                returncode = json.loads(conn.recv(4096))["returncode"]
+            except (TimeoutError, socket.timeout):
+                _end(pid)
+                raise subprocess.TimeoutExpired(["python", "-m", "pretrain", *args], timeout)
+            except BaseException:
+                _end(pid)
+                raise
+        return subprocess.CompletedProcess([sys.executable, "-m", "pretrain", *args],
+                                           returncode, _text(stdout), _text(stderr))
+
+    def close(self) -> None:
+        if self.server.poll() is None:
+            self.server.terminate()
+            self.server.wait()
+
+
+def _read_both(out_fd: int, err_fd: int, deadline: float) -> tuple[bytes, bytes]:
+    """Both pipes to their end (every writer gone), or TimeoutError at ``deadline``."""
+    import selectors
+
+    chunks = {out_fd: [], err_fd: []}
+    with selectors.DefaultSelector() as sel:
+        for fd in chunks:
+            sel.register(fd, selectors.EVENT_READ)
+        try:
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                for key, _ in sel.select(left):
+                    data = os.read(key.fd, 1 << 16)
+                    if data:
+                        chunks[key.fd].append(data)
+                    else:
+                        sel.unregister(key.fd)
+        finally:
+            for fd in chunks:
+                os.close(fd)
+    return b"".join(chunks[out_fd]), b"".join(chunks[err_fd])
+
+
+def _text(data: bytes) -> str:
+    """Decoded as ``text=True`` decodes (universal newlines)."""
+    return data.decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _end(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_zygote: Zygote | None = None
+
+
+def zygote(environ: dict[str, str]) -> Zygote:
+    """This process's server (started with ``environ`` the first time)."""
+    global _zygote
+    if _zygote is None:
+        _zygote = Zygote(environ)
+    return _zygote
+
+
+def run_pretrain() -> None:
+    """Run ``pretrain`` as ``__main__`` in a forked child and end the process as the
+    interpreter would, minus the teardown of every module: non-daemon threads joined, exit
+    handlers run, streams flushed, the exit status of ``sys.exit``, an uncaught exception or
+    Ctrl-C. The teardown is skipped as multiprocessing's forked children skip it: it would
+    visit (and so copy) the whole preloaded heap, and objects it never frees make nanobind
+    (Triton's bindings) report leaks on stderr."""
+    import runpy
+    import traceback
+
+    code, interrupted = 0, False
+    try:
+        runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = _exit_status(stop.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # as the interpreter ends on an uncaught KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _exit_status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.path[0] = os.getcwd()  # as ``python -m`` has it, not this file's folder
+    serve(sys.argv[1])
+    run_pretrain()
