@@ -49,11 +49,19 @@ def test_a_timeout_ends_the_child_and_the_server_serves_on(data, tmp_path):
     assert server.run(["explain", "optim.lr"], env(), timeout=60).returncode == 0
 
 
-def test_another_environment_goes_to_a_real_process():
-    server = zygote(env())
-    assert not server.takes(env(OMP_NUM_THREADS="2"), REPO)
-    assert not server.takes(env(), REPO / "tests")
-    assert server.takes({**env(), "PYTEST_CURRENT_TEST": "elsewhere"}, REPO)
+def test_another_environment_gets_a_server_started_with_it():
+    """A test process may change its own environment; the next request then gets a new
+    server started with it, never one whose imports read another."""
+    first = zygote(env())
+    assert first.takes({**env(), "PYTEST_CURRENT_TEST": "elsewhere"}, REPO)
+    assert not first.takes(env(WANDB_SILENT="true"), REPO)
+    assert not first.takes(env(), REPO / "tests")
+    other = zygote(env(WANDB_SILENT="true"))
+    assert other is not first and first.server.poll() is not None
+    assert other.takes(env(WANDB_SILENT="true"), REPO)
+    answer = other.run(["explain", "optim.lr"], env(WANDB_SILENT="true"), timeout=60)
+    assert answer.returncode == 0
+    assert zygote(env()).takes(env(), REPO)
 
 
 def test_the_server_ends_with_its_caller():

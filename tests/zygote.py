@@ -226,9 +226,13 @@ _zygote: Zygote | None = None
 
 
 def zygote(environ: dict[str, str]) -> Zygote:
-    """This process's server (started with ``environ`` the first time)."""
+    """This process's server for ``environ``: the running one, or (first call, or another
+    environment: a test process may change its own, e.g. an inductor cache folder set by an
+    in-process run) a new one in its place."""
     global _zygote
-    if _zygote is None:
+    if _zygote is None or _zygote.environ != _stable(environ):
+        if _zygote is not None:
+            _zygote.close()
         _zygote = Zygote(environ)
     return _zygote
 
