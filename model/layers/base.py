@@ -49,6 +49,10 @@ class SchemeLayer(TransformerLayer):
                  **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         self.backend = backend
+        # Global block 0 (megatron's global, 1-based layer_number 1) reads the embedding. Kept
+        # as a flag: a compiled block's guard is then on it (two graphs per block class),
+        # not on the block's number (one graph per block).
+        self.reads_embedding = self.layer_number == 1
 
     def build_norm(self, hidden_size: int | None = None) -> torch.nn.Module:
         """A norm as the spec builds them (over ``hidden_size``, default the model's)."""

@@ -106,7 +106,7 @@ class HyperConnectionLayer(SchemeLayer):
         return hc.write(H, depth, output, r)
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        if self.layer_number == 1:  # the embedding: every stream starts as it
+        if self.reads_embedding:  # the embedding: every stream starts as it
             H = streams.repeat(hidden_states, self.rate)
         else:
             H = streams.split(hidden_states, self.rate)

@@ -141,7 +141,7 @@ class ManifoldHyperConnectionLayer(SchemeLayer):
         return res @ X + post.unsqueeze(-1) * r.unsqueeze(-2)
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
-        if self.layer_number == 1:  # the embedding: every stream starts as it
+        if self.reads_embedding:  # the embedding: every stream starts as it
             X = streams.repeat(hidden_states, self.rate)
         else:
             X = streams.split(hidden_states, self.rate)

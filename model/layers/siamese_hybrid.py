@@ -88,7 +88,7 @@ class SiameseHybridLayer(TwoStreamLayer):
         if self.attn_fused is None:
             x, y = self.streams_in(hidden_states)
             return x, y, self.attn_gate(x) + self.attn_pre_norm(y)
-        if self.layer_number == 1:
+        if self.reads_embedding:
             x, y = streams.start(hidden_states)
             return x, y, self.attn_fused.entry(x, y)[1]
         _, x, y, a = self.attn_fused.entry_packed(hidden_states, streams.unpack)

@@ -141,14 +141,14 @@ class TwoStreamLayer(SchemeLayer):
 
     def streams_in(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) from the packed input, or both from the embedding in global block 0."""
-        if self.layer_number == 1:
+        if self.reads_embedding:
             return streams.start(hidden_states)
         return streams.unpack(hidden_states)
 
     def enter(self, norms: SublayerNorms, hidden_states: torch.Tensor, store_u: bool = True):
         """(x, y, u, s): the streams of the layer input and ``norms``' entry of them
         (:meth:`SublayerNorms.entry_packed` past block 0)."""
-        if self.layer_number == 1:
+        if self.reads_embedding:
             x, y = streams.start(hidden_states)
             return (x, y, *norms.entry(x, y, store_u))
         return norms.entry_packed(hidden_states, store_u)
