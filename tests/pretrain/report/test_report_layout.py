@@ -126,7 +126,10 @@ def _texts(fig) -> list:
     return [t for t in found if t is not None and t.get_visible() and t.get_text().strip()]
 
 
-def _figures(run: Path):
+@pytest.fixture(scope="module")
+def drawn(run: Path):
+    """(name, figure) of every figure of ``run``, rendered once for this module's tests, which
+    only read them."""
     import matplotlib.pyplot as plt
 
     metrics = read_metrics(run / "metrics.jsonl")
@@ -136,18 +139,21 @@ def _figures(run: Path):
     assert [f.name for f in found] == [
         "loss", "lr", "grad_norm", "throughput", "skipped", "stragglers", "diag_rms",
         "diag_grad_norm", "diag_merge", "downstream"]
-    for figure in found:
-        fig = plots.render(plt, figure, metrics, panels.marks(metrics), info.title(),
-                           RUNS[run.name][0])
-        fig.canvas.draw()
-        try:
-            yield figure.name, fig
-        finally:
+    figures = []
+    try:
+        for figure in found:
+            fig = plots.render(plt, figure, metrics, panels.marks(metrics), info.title(),
+                               RUNS[run.name][0])
+            fig.canvas.draw()
+            figures.append((figure.name, fig))
+        yield figures
+    finally:
+        for _, fig in figures:
             plt.close(fig)
 
 
-def test_no_text_is_cut_or_drawn_over_another(run):
-    for name, fig in _figures(run):
+def test_no_text_is_cut_or_drawn_over_another(drawn):
+    for name, fig in drawn:
         renderer = fig.canvas.get_renderer()
         page = fig.bbox
         texts = _texts(fig)
@@ -164,14 +170,14 @@ def test_no_text_is_cut_or_drawn_over_another(run):
                 f"{name}.png: {a!r} and {b!r} overlap"
 
 
-def test_mark_labels_stay_inside_their_panel(run):
+def test_mark_labels_stay_inside_their_panel(run, drawn):
     """Every mark's label runs along its line inside its panel, so it is neither cut by the
     figure's edge nor drawn over the step axis's tick labels (both outside the panel): a
     resume near the run's start is labelled right of its line, the extension's two changes
     are shown whole, and a longer list is cut with "..." (the page's summary holds it)."""
     marks = panels.marks(read_settings_changes_into(run))
     extension = next(m.label for m in marks if "run.steps" in m.label)
-    for name, fig in _figures(run):
+    for name, fig in drawn:
         renderer = fig.canvas.get_renderer()
         for ax in (a for a in fig.axes if a.get_xlabel() == "step"):
             panel = ax.get_window_extent(renderer)
@@ -195,8 +201,8 @@ def read_settings_changes_into(run: Path):
     return metrics
 
 
-def test_a_spike_leaves_the_axis_to_the_curve_and_is_marked_on_its_edge(run):
-    for name, fig in _figures(run):
+def test_a_spike_leaves_the_axis_to_the_curve_and_is_marked_on_its_edge(drawn):
+    for name, fig in drawn:
         if name not in ("loss", "grad_norm"):
             continue
         (ax,) = [a for a in fig.axes if a.get_ylabel()]
@@ -210,8 +216,8 @@ def test_a_spike_leaves_the_axis_to_the_curve_and_is_marked_on_its_edge(run):
         assert f"1 value(s) above the axis, up to {spike}" in labels, labels
 
 
-def test_counters_holding_the_same_counts_stay_both_visible(run):
-    for name, fig in _figures(run):
+def test_counters_holding_the_same_counts_stay_both_visible(drawn):
+    for name, fig in drawn:
         if name == "skipped":
             lines = [line for line in fig.axes[0].get_lines() if line.get_label()
                      .startswith("skipped")]
@@ -220,8 +226,8 @@ def test_counters_holding_the_same_counts_stay_both_visible(run):
             assert lines[1].get_linestyle() != "-"
 
 
-def test_the_downstream_panels_show_the_chance_level(run):
-    for name, fig in _figures(run):
+def test_the_downstream_panels_show_the_chance_level(drawn):
+    for name, fig in drawn:
         if name == "downstream":
             for ax, level in zip(fig.axes, (0.2507, 0.25), strict=False):
                 labels = ax.get_legend_handles_labels()[1]
@@ -231,8 +237,8 @@ def test_the_downstream_panels_show_the_chance_level(run):
                 assert chance[0].get_ydata()[0] == level
 
 
-def test_the_top_axis_labels_the_tokens_at_the_step_ticks(run):
-    for name, fig in _figures(run):
+def test_the_top_axis_labels_the_tokens_at_the_step_ticks(run, drawn):
+    for name, fig in drawn:
         if name == "loss":
             ax = fig.axes[0]
             (top,) = ax.child_axes
