@@ -8,11 +8,14 @@ work).
 
 After the imports the collector is told to leave every object so far alone
 (``gc.freeze``): a forked child's collections then do not touch, and so copy, the parent's
-heap. Only such a parent imports this module.
+heap. Only such a parent imports this module. At its own exit the objects are handed back
+to the collector: frozen ones are never freed, and Triton's bindings (nanobind) then report
+them as leaks on stderr (the fork server's stderr is the test process's).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 
@@ -29,3 +32,4 @@ MODULES = (
 for _name in MODULES:
     importlib.import_module(_name)
 gc.freeze()
+atexit.register(gc.unfreeze)

@@ -139,6 +139,29 @@ def test_a_gradient_norm_spike_changes_no_weight_and_no_optimizer_state(single_r
     assert ok and not torch.equal(before[0][0], state()[0][0])
 
 
+@pytest.mark.slow
+def test_a_compiled_run_rolls_back_as_an_eager_one(data, tmp_path):
+    """Compiled blocks (aot_eager: inductor's capture without its code generation) through a
+    rollback: the checkpoint's weights are loaded into the parameters the compiled blocks
+    read, so every step's loss, the retrained ones included, matches eager's within 1e-5
+    relative (the bound of the compiled CLI test, tests/model/test_compiled_blocks.py)."""
+    common = [*SPIKY, "--run.steps=10", "--run.save_interval=4", "--run.keep_last=5",
+              "--guard.max_skipped=2", "--guard.action=rollback",
+              "--guard.rollback_skip_batches=2"]
+    compiled = ["--kernels.compile=true", "--kernels.compile_backend=aot_eager"]
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", compiled)):
+        done = _inject("7:loss,8:loss", train_args(data, tmp_path / name, *common, *extra),
+                       tmp_path / f"{name}.log")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "rolled back to step_00000004" in done.stderr, done.stderr[-3000:]
+        losses[name] = [(r["step"], r["loss"]) for r in metrics(tmp_path / name) if "loss" in r]
+    assert [s for s, _ in losses["compiled"]] == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8, 9, 10]
+    for (step, ours), (eager_step, eager) in zip(losses["compiled"], losses["eager"],
+                                                 strict=True):
+        assert step == eager_step and ours == pytest.approx(eager, rel=1e-5), step
+
+
 class Done(NamedTuple):
     returncode: int
     stderr: str
