@@ -136,3 +136,20 @@ def test_tensor_and_pipeline_parallel_runs_score_as_one_process(data, scored, tm
         for key in SCORES[:2]:
             assert ours[step][key] == theirs[step][key], (step, key)
         assert ours[step][SCORES[2]] == pytest.approx(theirs[step][SCORES[2]], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_scores_as_an_eager_one(data, scored, tmp_path):
+    """Compiled blocks (aot_eager) score the tasks in the loop through the same compiled
+    forward as training's: accuracies equal eager's, the Brier score within 1e-5."""
+    _, single, _ = scored
+    run = tmp_path / "run"
+    done = cli(*train_args(data, run, *IN_LOOP, "--kernels.compile=true",
+                           "--kernels.compile_backend=aot_eager"), extra_env=OFFLINE)
+    assert "0 graph breaks" in done.stderr, done.stderr[-3000:]
+    ours, theirs = _scores(run), _scores(single)
+    assert sorted(ours) == [2, 4]
+    for step in ours:
+        for key in SCORES[:2]:
+            assert ours[step][key] == theirs[step][key], (step, key)
+        assert ours[step][SCORES[2]] == pytest.approx(theirs[step][SCORES[2]], abs=1e-5)
