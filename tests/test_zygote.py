@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.pretrain_fixtures import REPO, env, train_args
-from tests.zygote import zygote
+from tests.zygote import Zygote, zygote
 
 pytestmark = pytest.mark.slow
 
@@ -88,3 +88,17 @@ def _alive(pid: int) -> bool:
         return False
     stat = open(f"/proc/{pid}/stat").read()
     return stat.split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("noise", [{"PYTHONVERBOSE": "1"}, {"OMP_NUM_THREADS": "2"}],
+                         ids=["imports-print", "threads"])
+def test_a_server_whose_imports_print_or_start_threads_refuses_to_serve(noise):
+    """Imports that print (here Python's own import trace) would be output a fresh process
+    shows and a forked child would not; a thread started by an import (here OpenMP's pool)
+    would be missing in every forked child. Either way the server refuses, and
+    ``cli()`` starts fresh interpreters."""
+    server = Zygote(env(**noise))
+    try:
+        assert not server.ready and not server.takes(env(**noise), REPO)
+    finally:
+        server.close()
