@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from model.config import ModelConfig
 from runtime import cpu_compat, device
 from runtime.launcher import free_port
+from tests.zygote import stable_environ
 
 SEQ, MBS, VOCAB = 16, 2, 100
 
@@ -148,7 +149,7 @@ _fork_server_environ: dict | None = None
 def _fork_server_takes(environ: dict) -> bool:
     """Whether the fork server was (or is now) started with ``environ``."""
     global _fork_server_environ
-    stable = {k: v for k, v in environ.items() if k != "PYTEST_CURRENT_TEST"}
+    stable = stable_environ(environ)
     if _fork_server_environ is None:
         mp.get_context("forkserver").set_forkserver_preload(["tests.preload", "tests.helpers"])
         _fork_server_environ = stable

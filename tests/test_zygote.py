@@ -66,11 +66,10 @@ def test_another_environment_gets_a_server_started_with_it():
 
 def test_the_server_ends_with_its_caller():
     """Started by a process that then dies, the server does not outlive it."""
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from tests.pretrain_fixtures import env\n"
+    code = ("from tests.pretrain_fixtures import env\n"  # REPO is on env()'s PYTHONPATH
             "from tests.zygote import zygote\n"
             "z = zygote(env()); print(z.server.pid, z.ready, flush=True)\n"
-            "import os; os._exit(0)\n") % str(REPO)
+            "import os; os._exit(0)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(),
                           capture_output=True, text=True, timeout=120)
     pid, ready = done.stdout.split()

@@ -48,7 +48,9 @@ READY = b"ready\n"
 # Variables that change from test to test and are read only while running.
 VOLATILE = ("PYTEST_CURRENT_TEST",)
 
-def _stable(environ: dict[str, str]) -> dict[str, str]:
+
+def stable_environ(environ: dict[str, str]) -> dict[str, str]:
+    """``environ`` as imports read it: what a preloaded parent must share with a request."""
     return {k: v for k, v in environ.items() if k not in VOLATILE}
 
 
@@ -83,9 +85,9 @@ def _preload() -> bool:
     return quiet and threads == 1 and threading.active_count() == 1
 
 
-def serve(name: str) -> dict:
-    """Answer requests at the abstract socket ``name`` until the caller goes; returns a
-    request, in the forked child only."""
+def serve(name: str) -> None:
+    """Answer requests at the abstract socket ``name`` until the caller goes; returns only in
+    a forked child, turned into the requested process."""
     _die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind("\0" + name)
@@ -104,7 +106,7 @@ def serve(name: str) -> dict:
             if pid == 0:
                 listener.close()
                 _become(request, fds, conn)
-                return request
+                return
             for fd in fds:
                 os.close(fd)
             _send(conn, {"pid": pid})
@@ -138,7 +140,7 @@ class Zygote:
     """One server per test process, started at the first request it can take."""
 
     def __init__(self, environ: dict[str, str]):
-        self.environ = _stable(environ)
+        self.environ = stable_environ(environ)
         name = f"siamesenorm-zygote-{os.getpid()}-{time.monotonic_ns()}"
         self.address = "\0" + name
         self.server = subprocess.Popen(
@@ -149,13 +151,14 @@ class Zygote:
 
     def takes(self, environ: dict[str, str], cwd: Path) -> bool:
         return self.ready and self.server.poll() is None and Path(cwd) == REPO \
-            and _stable(environ) == self.environ
+            and stable_environ(environ) == self.environ
 
     def run(self, args: list[str], environ: dict[str, str],
             timeout: float) -> subprocess.CompletedProcess:
         """As ``subprocess.run([python, -m, pretrain, *args], capture_output=True, text=True,
         timeout=timeout)`` would."""
         deadline = time.monotonic() + timeout
+        command = [sys.executable, "-m", "pretrain", *args]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
@@ -170,14 +173,13 @@ class Zygote:
                 stdout, stderr = _read_both(out_r, err_r, deadline)
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 returncode = json.loads(conn.recv(4096))["returncode"]
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:  # socket.timeout is TimeoutError
                 _end(pid)
-                raise subprocess.TimeoutExpired(["python", "-m", "pretrain", *args], timeout)
+                raise subprocess.TimeoutExpired(command, timeout) from None
             except BaseException:
                 _end(pid)
                 raise
-        return subprocess.CompletedProcess([sys.executable, "-m", "pretrain", *args],
-                                           returncode, _text(stdout), _text(stderr))
+        return subprocess.CompletedProcess(command, returncode, _text(stdout), _text(stderr))
 
     def close(self) -> None:
         if self.server.poll() is None:
@@ -230,7 +232,7 @@ def zygote(environ: dict[str, str]) -> Zygote:
     environment: a test process may change its own, e.g. an inductor cache folder set by an
     in-process run) a new one in its place."""
     global _zygote
-    if _zygote is None or _zygote.environ != _stable(environ):
+    if _zygote is None or _zygote.environ != stable_environ(environ):
         if _zygote is not None:
             _zygote.close()
         _zygote = Zygote(environ)

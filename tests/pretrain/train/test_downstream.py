@@ -88,6 +88,16 @@ def _scores(run) -> dict[int, dict]:
             if "downstream/tiny_choice/acc" in r}
 
 
+def _assert_same_scores(run, reference) -> None:
+    """Scored at steps 2 and 4 as ``reference`` was: accuracies equal, Brier within 1e-5."""
+    ours, theirs = _scores(run), _scores(reference)
+    assert sorted(ours) == [2, 4]
+    for step in ours:
+        for key in SCORES[:2]:
+            assert ours[step][key] == theirs[step][key], (step, key)
+        assert ours[step][SCORES[2]] == pytest.approx(theirs[step][SCORES[2]], abs=1e-5)
+
+
 @pytest.fixture(scope="module")
 def scored(data, tmp_path_factory):
     """A single-process run scored in the loop at steps 2 and 4, and the same run without."""
@@ -130,12 +140,7 @@ def test_tensor_and_pipeline_parallel_runs_score_as_one_process(data, scored, tm
     _, single, _ = scored
     run = tmp_path / "run"
     cli(*train_args(data, run, *IN_LOOP, layout), nproc=2, extra_env=OFFLINE)
-    ours, theirs = _scores(run), _scores(single)
-    assert sorted(ours) == [2, 4]
-    for step in ours:
-        for key in SCORES[:2]:
-            assert ours[step][key] == theirs[step][key], (step, key)
-        assert ours[step][SCORES[2]] == pytest.approx(theirs[step][SCORES[2]], abs=1e-5)
+    _assert_same_scores(run, single)
 
 
 @pytest.mark.slow
@@ -147,9 +152,4 @@ def test_a_compiled_run_scores_as_an_eager_one(data, scored, tmp_path):
     done = cli(*train_args(data, run, *IN_LOOP, "--kernels.compile=true",
                            "--kernels.compile_backend=aot_eager"), extra_env=OFFLINE)
     assert "0 graph breaks" in done.stderr, done.stderr[-3000:]
-    ours, theirs = _scores(run), _scores(single)
-    assert sorted(ours) == [2, 4]
-    for step in ours:
-        for key in SCORES[:2]:
-            assert ours[step][key] == theirs[step][key], (step, key)
-        assert ours[step][SCORES[2]] == pytest.approx(theirs[step][SCORES[2]], abs=1e-5)
+    _assert_same_scores(run, single)
