@@ -32,9 +32,9 @@ class FusedNorms:
     with a per-channel ``weight`` g and no bias, computing x * g (see :func:`fuse_gate`)."""
 
     def __init__(self, a, b: Norm, c: Norm | None, gate: bool = False):
-        from kernels import triton_ops
+        from kernels import stream_library, triton_ops
 
-        self._ops = triton_ops
+        self._ops, self._library = triton_ops, stream_library
         self._norms = (a, b, c)
         self._eps, self._is_rms, self._gate = b.eps, b.is_rms, gate
 
@@ -48,8 +48,7 @@ class FusedNorms:
         return params
 
     def _apply(self, kind, halves, packed, x, y, r=None, *u_norm):
-        return self._ops.EntryFunction.apply(kind, halves, packed, x, y, r, *self._params(),
-                                             *u_norm)
+        return self._library.entry(kind, halves, packed, x, y, r, *self._params(), *u_norm)
 
     def entry(self, x: torch.Tensor, y: torch.Tensor,
               store_u: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:

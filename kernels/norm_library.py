@@ -1,4 +1,5 @@
-"""The fused Triton norm as a registered operator (``torch.library``), for compiled blocks.
+"""The fused Triton norm and the per-head Q/K/V norms as registered operators
+(``torch.library``), for compiled blocks (the two-stream kernels: ``stream_library``).
 
 Dynamo cannot see into an autograd Function whose forward launches a Triton kernel sized by
 Python (launch arguments, the backward's occupancy-derived grid, weight-gradient partials):
@@ -8,7 +9,7 @@ op, the norm enters a compiled block's graph as one opaque call each way: induct
 around it, never into it. :func:`norm` and :func:`add_norm`, which the Triton-backed
 ``Norm`` modules bind, take the op inside a compiled region and ``triton_ops.NormFunction``
 outside it; both compute with ``triton_ops.norm_forward`` / ``norm_backward``, so the two
-paths run the same launches.
+paths run the same launches. :func:`qkv_norm` does the same for QKV-norm attention's heads.
 
 Absent tensors in the backward's results (no residual, no bias) come back as empty tensors,
 since an operator returns tensors only; the autograd formula turns them into None.
@@ -85,3 +86,71 @@ def add_norm(h: Tensor, r: Tensor, alpha: float, weight: Tensor, bias: Tensor | 
     if torch.compiler.is_compiling():
         return _norm(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)[0]
     return triton_ops.add_norm(h, r, alpha, weight, bias, eps, is_rms)
+
+
+@torch.library.custom_op("siamesenorm::qkv_norm", mutates_args=())
+def _qkv_norm(mixed: Tensor, heads: int, dim: int, eps: float, is_rms: bool, wq: Tensor,
+              bq: Tensor | None, wk: Tensor, bk: Tensor | None, wv: Tensor,
+              bv: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q, k, v, _, stats = triton_ops.qkv_norm_forward(mixed, heads, dim, eps, is_rms, wq, bq,
+                                                    wk, bk, wv, bv, zero_stats=True)
+    return q, k, v, stats
+
+
+@_qkv_norm.register_fake
+def _(mixed, heads, dim, eps, is_rms, wq, bq, wk, bk, wv, bv):
+    lead, groups = mixed.shape[:-2], mixed.shape[-2]
+    rows = mixed.numel() // ((heads + 2) * dim)
+    return (mixed.new_empty((*lead, groups * heads, dim)), mixed.new_empty((*lead, groups, dim)),
+            mixed.new_empty((*lead, groups, dim)),
+            mixed.new_empty((rows, heads + 2, 2), dtype=torch.float32))
+
+
+@torch.library.custom_op("siamesenorm::qkv_norm_backward", mutates_args=())
+def _qkv_norm_backward(gq: Tensor, gk: Tensor, gv: Tensor, mixed: Tensor, wq: Tensor,
+                       wk: Tensor, wv: Tensor, stats: Tensor, heads: int, dim: int,
+                       is_rms: bool, has_bias: bool) -> list[Tensor]:
+    """[d mixed, dwq, dbq, dwk, dbk, dwv, dbv], the biases' empty without a bias."""
+    rows = mixed.reshape(-1, (heads + 2) * dim).contiguous()
+    drows, *grads = triton_ops.qkv_norm_backward(gq, gk, gv, rows, wq, wk, wv, stats, heads,
+                                                 dim, is_rms, has_bias)
+    return [drows.view(mixed.shape),
+            *(gq.new_empty(0) if g is None else g.clone() for g in grads)]
+
+
+@_qkv_norm_backward.register_fake
+def _(gq, gk, gv, mixed, wq, wk, wv, stats, heads, dim, is_rms, has_bias):
+    def bias(w):
+        return w.new_empty(w.shape) if has_bias else gq.new_empty(0)
+
+    return [mixed.new_empty(mixed.shape), wq.new_empty(wq.shape), bias(wq),
+            wk.new_empty(wk.shape), bias(wk), wv.new_empty(wv.shape), bias(wv)]
+
+
+def _qkv_setup(ctx, inputs, output):
+    mixed, heads, dim, _eps, is_rms, wq, bq, wk, _bk, wv, _bv = inputs
+    ctx.save_for_backward(mixed, wq, wk, wv, output[3])
+    ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias = heads, dim, is_rms, bq is not None
+
+
+def _qkv_grads(ctx, gq, gk, gv, _grad_stats):
+    mixed, wq, wk, wv, stats = ctx.saved_tensors
+    dmixed, dwq, dbq, dwk, dbk, dwv, dbv = _qkv_norm_backward(
+        gq, gk, gv, mixed, wq, wk, wv, stats, ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias)
+    if not ctx.has_bias:
+        dbq = dbk = dbv = None
+    return dmixed, None, None, None, None, dwq, dbq, dwk, dbk, dwv, dbv
+
+
+_qkv_norm.register_autograd(_qkv_grads, setup_context=_qkv_setup)
+
+
+def qkv_norm(mixed: Tensor, heads: int, dim: int, eps: float, is_rms: bool, q_norm, k_norm,
+             v_norm) -> tuple[Tensor, Tensor, Tensor]:
+    """``triton_ops.qkv_norm``, as the registered op inside a compiled region."""
+    if not torch.compiler.is_compiling():
+        return triton_ops.qkv_norm(mixed, heads, dim, eps, is_rms, q_norm, k_norm, v_norm)
+    biases = [None if is_rms else n.bias for n in (q_norm, k_norm, v_norm)]
+    q, k, v, _ = _qkv_norm(mixed, heads, dim, eps, is_rms, q_norm.weight, biases[0],
+                           k_norm.weight, biases[1], v_norm.weight, biases[2])
+    return q, k, v

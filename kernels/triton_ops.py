@@ -207,6 +207,83 @@ class Entry(NamedTuple):
     u_from_x: bool = False
 
 
+def entry_forward(kind: Entry, x, y, r, wa, ba, wb, bb, wc, bc, wu=None, bu=None,
+                  zero_stats: bool = False):
+    """The entry's launch: (a, y_new, s, stats) as [rows, h] tensors (a None unless
+    ``kind.store_a``, y_new None without an update ``r``) and the per-row fp32 values backward
+    reads. Shared by :class:`EntryFunction` and the registered op ``siamesenorm::entry``
+    (``kernels/stream_library.py``), which sets ``zero_stats`` (a launch writes only the
+    columns its kind needs; an op's output must be a function of its inputs)."""
+    update = r is not None
+    xr, yr = _rows(x), _rows(y)
+    rr = _rows(r) if update else xr
+    n_rows, n_cols = xr.shape
+    new = functools.partial(torch.empty, (n_rows, n_cols), device=x.device)
+    a = new(dtype=x.dtype) if kind.store_a else None
+    y_new = new(dtype=y.dtype) if update else None
+    s = new(dtype=x.dtype)
+    stats = (torch.zeros if zero_stats else torch.empty)((n_rows, 6), dtype=torch.float32,
+                                                         device=x.device)
+    if n_rows:
+        launch = _launch_args(n_cols)
+        kern.entry_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
+            xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
+            wa, wa if ba is None else ba, wb, wb if bb is None else bb,
+            wa if wc is None else wc, wa if bc is None else bc,
+            wa if wu is None else wu, wa if bu is None else bu,
+            s if a is None else a, s if y_new is None else y_new, s, stats,
+            n_rows, n_cols, float(kind.scale), kind.eps,
+            IS_RMS=kind.is_rms, HAS_BIAS=bb is not None, UPDATE=update, STORE_A=kind.store_a,
+            HAS_C=wc is not None, GATE=kind.gate, RECOMPUTE_U=update and kind.u_from_x,
+            **launch)
+    return a, y_new, s, stats
+
+
+def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy):
+    """Backward of :func:`entry_forward`: writes the streams' gradients into the [rows, h]
+    tensors ``dx`` and ``dy`` (which may be the halves of one packed tensor) and returns
+    (dr, the gradients of ``params`` = (wa, ba, wb, bb, wc, bc, wu, bu)), None where absent
+    (dr without an update). ``ga`` / ``gy`` / ``gx`` are the gradients of a, of y_new or the
+    passed y, and of the passed x, None where the launch has no such output."""
+    wa, ba, wb, bb, wc, bc, wu, bu = params
+    update = r is not None
+    recompute_u = update and kind.u_from_x
+    xr, yr = _rows(x), _rows(y)
+    rr = _rows(r) if update else xr
+    n_rows, n_cols = xr.shape
+    gs = _rows(gs)
+    ga = gs if ga is None else _rows(ga)
+    gy = gs if gy is None else _rows(gy)
+    has_gx, has_gy = gx is not None, gy is not gs
+    gx = _rows(gx) if has_gx else gs
+    dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
+    has_bias = bb is not None
+    launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE, MAX_BACKWARD_WARPS)
+
+    def run(kernel, partials, rows_per_program):
+        return kernel(
+            xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
+            wa, wa if ba is None else ba, wb, wb if bb is None else bb,
+            wa if wc is None else wc, wa if wu is None else wu, wa if bu is None else bu,
+            stats, ga, gy, gx, gs, ga.stride(0), gy.stride(0), gx.stride(0), gs.stride(0),
+            dx, dy, dr, dx.stride(0), dy.stride(0), partials,
+            n_rows, n_cols, rows_per_program, float(kind.scale), kind.eps,
+            IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update,
+            STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=recompute_u,
+            GATE=kind.gate, HAS_GX=has_gx, HAS_GY=has_gy,
+            RELOAD=wc is not None and launch["BLOCK"] >= RELOAD_FROM, **launch)
+
+    weights = [wa, wb, wc] + ([wu] if recompute_u else [])  # the kernel's slots
+    biases = [ba, bb, bc] + ([bu] if recompute_u else [])
+    partials = _backward(kern.entry_bwd, n_rows, xr.device,
+                         len(weights) * (1 + has_bias), n_cols, run)
+    grads = _sum_partials(partials, weights + biases)  # biases None without bias slots
+    dwa, dwb, dwc, *dwu = grads[:len(weights)]
+    dba, dbb, dbc, *dbu = grads[len(weights):]
+    return (dr if update else None,
+            (dwa, dba, dwb, dbb, dwc, dbc, *(dwu or [None]), *(dbu or [None])))
+
+
 class EntryFunction(torch.autograd.Function):
     """(a, y_out, x_out, s) with a = Na(x), s = Nc(Na(x) + Nb(y)); see ``triton_kernels``.
 
@@ -229,86 +306,64 @@ class EntryFunction(torch.autograd.Function):
                 wa, ba, wb, bb, wc, bc, wu=None, bu=None):
         if packed is not None:
             x, y = halves(packed)
-        update, has_c, has_bias = r is not None, wc is not None, bb is not None
-        recompute_u = update and kind.u_from_x
-        xr, yr = _rows(x), _rows(y)
-        rr = _rows(r) if update else xr
-        n_rows, n_cols = xr.shape
-        new = functools.partial(torch.empty, (n_rows, n_cols), device=x.device)
-        a = new(dtype=x.dtype) if kind.store_a else None
-        y_out = new(dtype=y.dtype) if update else None
-        s = new(dtype=x.dtype)
-        stats = torch.empty((n_rows, 6), dtype=torch.float32, device=x.device)
-        if n_rows:
-            launch = _launch_args(n_cols)
-            kern.entry_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-                xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
-                wa, wa if ba is None else ba, wb, wb if bb is None else bb,
-                wa if wc is None else wc, wa if bc is None else bc,
-                wa if wu is None else wu, wa if bu is None else bu,
-                s if a is None else a, s if y_out is None else y_out, s, stats,
-                n_rows, n_cols, float(kind.scale), kind.eps,
-                IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update, STORE_A=kind.store_a,
-                HAS_C=has_c, GATE=kind.gate, RECOMPUTE_U=recompute_u, **launch)
-        ctx.save_for_backward(xr, yr, rr, wa, ba, wb, bb, wc, bc, wu, bu, stats)
-        ctx.kind, ctx.halves, ctx.recompute_u = kind, halves, recompute_u
-        ctx.update, ctx.packed_shape = update, None if packed is None else packed.shape
+        params = (wa, ba, wb, bb, wc, bc, wu, bu)
+        a, y_new, s, stats = entry_forward(kind, x, y, r, *params)
+        ctx.save_for_backward(x, y, r, *params, stats)
+        ctx.kind, ctx.halves = kind, halves
+        ctx.packed_shape = None if packed is None else packed.shape
         shape = x.shape
-        if update:
-            y_out = y_out.view(shape)
-        elif kind.pass_y:
-            y_out = y
+        y_out = y_new.view(shape) if r is not None else (y if kind.pass_y else None)
         return (None if a is None else a.view(shape), y_out, x if kind.pass_x else None,
                 s.view(shape))
 
     @staticmethod
     def backward(ctx, grad_a, grad_y, grad_x, grad_s):
-        xr, yr, rr, wa, ba, wb, bb, wc, bc, wu, bu, stats = ctx.saved_tensors
-        kind, update = ctx.kind, ctx.update
-        n_rows, n_cols = xr.shape
-        has_gy = update or kind.pass_y
-        gs = _rows(grad_s)
-        ga = _rows(grad_a) if kind.store_a else gs
-        gy = _rows(grad_y) if has_gy else gs
-        gx = _rows(grad_x) if kind.pass_x else gs
+        x, y, r, *params, stats = ctx.saved_tensors
+        kind = ctx.kind
+        n_cols = x.shape[-1]
         dpacked = None
         if ctx.packed_shape is not None:
-            dpacked = xr.new_empty(ctx.packed_shape)
+            dpacked = x.new_empty(ctx.packed_shape)
             dx, dy = (half.view(-1, n_cols) for half in ctx.halves(dpacked))  # in place
         else:
-            dx = torch.empty((n_rows, n_cols), dtype=xr.dtype, device=xr.device)
-            dy = torch.empty((n_rows, n_cols), dtype=yr.dtype, device=yr.device)
-        dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
-        has_bias = bb is not None
-        launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE, MAX_BACKWARD_WARPS)
-
-        def run(kernel, partials, rows_per_program):
-            return kernel(
-                xr, yr, rr, xr.stride(0), yr.stride(0), rr.stride(0),
-                wa, wa if ba is None else ba, wb, wb if bb is None else bb,
-                wa if wc is None else wc, wa if wu is None else wu, wa if bu is None else bu,
-                stats, ga, gy, gx, gs, ga.stride(0), gy.stride(0), gx.stride(0), gs.stride(0),
-                dx, dy, dr, dx.stride(0), dy.stride(0), partials,
-                n_rows, n_cols, rows_per_program, float(kind.scale), kind.eps,
-                IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update,
-                STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=ctx.recompute_u,
-                GATE=kind.gate, HAS_GX=kind.pass_x, HAS_GY=has_gy,
-                RELOAD=wc is not None and launch["BLOCK"] >= RELOAD_FROM, **launch)
-
-        weights = [wa, wb, wc] + ([wu] if ctx.recompute_u else [])  # the kernel's slots
-        biases = [ba, bb, bc] + ([bu] if ctx.recompute_u else [])
-        partials = _backward(kern.entry_bwd, n_rows, xr.device,
-                             len(weights) * (1 + has_bias), n_cols, run)
-        grads = _sum_partials(partials, weights + biases)  # biases None without bias slots
-        dwa, dwb, dwc, *dwu = grads[:len(weights)]
-        dba, dbb, dbc, *dbu = grads[len(weights):]
+            dx = x.new_empty((x.numel() // n_cols, n_cols))
+            dy = y.new_empty((y.numel() // n_cols, n_cols))
+        dr, param_grads = entry_backward(
+            kind, x, y, r, params, stats, grad_a if kind.store_a else None,
+            grad_y if r is not None or kind.pass_y else None,
+            grad_x if kind.pass_x else None, grad_s, dx, dy)
         shape = grad_s.shape
         if dpacked is not None:
             stream_grads = (dpacked, None, None)
         else:
             stream_grads = (None, dx.view(shape), dy.view(shape))
-        return (None, None, *stream_grads, dr.view(shape) if update else None,
-                dwa, dba, dwb, dbb, dwc, dbc, *(dwu or [None]), *(dbu or [None]))
+        return (None, None, *stream_grads, None if dr is None else dr.view(shape),
+                *param_grads)
+
+
+def dual_update_forward(u, y, r, scale: float, ox, oy) -> None:
+    """Writes u + r / scale into ``ox`` and y + r into ``oy`` ([rows, h], one row stride)."""
+    ur, yr, rr = _rows(u), _rows(y), _rows(r)
+    n_rows, n_cols = ur.shape
+    if n_rows:
+        launch = _launch_args(n_cols)
+        kern.dual_update_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
+            ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
+            n_rows, n_cols, float(scale), **launch)
+
+
+def dual_update_backward(gx, gy, scale: float):
+    """r's gradient gx / scale + gy of :func:`dual_update_forward`, shaped like ``gx``."""
+    n_cols = gx.shape[-1]
+    gxr, gyr = _rows(gx), _rows(gy)
+    n_rows = gxr.shape[0]
+    dr = torch.empty((n_rows, n_cols), dtype=gx.dtype, device=gx.device)
+    if n_rows:
+        launch = _launch_args(n_cols)
+        kern.dual_update_bwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
+            gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols, float(scale),
+            **launch)
+    return dr.view(gx.shape)
 
 
 class DualUpdateFunction(torch.autograd.Function):
@@ -322,13 +377,7 @@ class DualUpdateFunction(torch.autograd.Function):
         ox, oy = (half.view(-1, u.shape[-1]) for half in halves(out))  # written in place
         if ox.stride(0) != oy.stride(0) or ox.stride(-1) != 1 or oy.stride(-1) != 1:
             raise ValueError("the packed halves must be row-contiguous with one row stride")
-        ur, yr, rr = _rows(u), _rows(y), _rows(r)
-        n_rows, n_cols = ur.shape
-        if n_rows:
-            launch = _launch_args(n_cols)
-            kern.dual_update_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-                ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
-                n_rows, n_cols, float(scale), **launch)
+        dual_update_forward(u, y, r, scale, ox, oy)
         ctx.scale, ctx.halves = float(scale), halves
         ctx.mark_dirty(out)
         return out
@@ -336,16 +385,53 @@ class DualUpdateFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gx, gy = ctx.halves(grad)
-        n_cols = gx.shape[-1]
-        gxr, gyr = _rows(gx), _rows(gy)
-        n_rows = gxr.shape[0]
-        dr = torch.empty((n_rows, n_cols), dtype=grad.dtype, device=grad.device)
-        if n_rows:
-            launch = _launch_args(n_cols)
-            kern.dual_update_bwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-                gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols, ctx.scale,
-                **launch)
-        return gx, gy, dr.view(gx.shape), None, None, None
+        return gx, gy, dual_update_backward(gx, gy, ctx.scale), None, None, None
+
+
+def qkv_norm_forward(mixed, heads: int, dim: int, eps: float, is_rms: bool,
+                     wq, bq, wk, bk, wv, bv, zero_stats: bool = False):
+    """(q, k, v, rows, stats) of :class:`QKVNormFunction`: ``rows`` is the projection as
+    contiguous [rows, (heads + 2) dim], which backward reads. Shared with the registered op
+    ``siamesenorm::qkv_norm`` (``kernels/norm_library.py``), which sets ``zero_stats``."""
+    lead = mixed.shape[:-2]
+    groups = mixed.shape[-2]
+    rows = mixed.reshape(-1, (heads + 2) * dim)
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    n_rows = rows.shape[0]
+    q = torch.empty((*lead, groups * heads, dim), dtype=mixed.dtype, device=mixed.device)
+    k = torch.empty((*lead, groups, dim), dtype=mixed.dtype, device=mixed.device)
+    v = torch.empty_like(k)
+    stats = (torch.zeros if zero_stats else torch.empty)(
+        (n_rows, heads + 2, 2), dtype=torch.float32, device=mixed.device)
+    has_bias = bq is not None
+    if n_rows:
+        launch = _head_launch_args(heads, dim)
+        kern.qkv_norm_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
+            rows, wq, wk, wv, bq if has_bias else wq, bk if has_bias else wk,
+            bv if has_bias else wv, q, k, v, stats, n_rows, heads, dim, eps,
+            IS_RMS=is_rms, HAS_BIAS=has_bias, **launch)
+    return q, k, v, rows, stats
+
+
+def qkv_norm_backward(gq, gk, gv, rows, wq, wk, wv, stats, heads: int, dim: int,
+                      is_rms: bool, has_bias: bool):
+    """(d rows, dwq, dbq, dwk, dbk, dwv, dbv) of :func:`qkv_norm_forward` (biases' None
+    without a bias)."""
+    n_rows = rows.shape[0]
+    gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
+    drows = torch.empty_like(rows)
+    launch = _head_launch_args(heads, dim, QKV_BACKWARD_TILE)
+
+    def run(kernel, partials, rows_per_program):
+        return kernel(
+            rows, wq, wk, wv, stats, gq, gk, gv, drows, partials, n_rows, heads, dim,
+            rows_per_program, IS_RMS=is_rms, HAS_BIAS=has_bias, **launch)
+
+    partials = _backward(kern.qkv_norm_bwd, n_rows, rows.device, 6 if has_bias else 3, dim,
+                         run)
+    dwq, dwk, dwv, dbq, dbk, dbv = _sum_partials(
+        partials, [wq, wk, wv] + ([wq, wk, wv] if has_bias else [None] * 3))
+    return drows, dwq, dbq, dwk, dbk, dwv, dbv
 
 
 class QKVNormFunction(torch.autograd.Function):
@@ -356,47 +442,19 @@ class QKVNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, heads: int, dim: int, eps: float, is_rms: bool,
                 wq, bq, wk, bk, wv, bv):
-        lead = mixed.shape[:-2]
-        groups = mixed.shape[-2]
-        rows = mixed.reshape(-1, (heads + 2) * dim)
-        rows = rows if rows.is_contiguous() else rows.contiguous()
-        n_rows = rows.shape[0]
-        q = torch.empty((*lead, groups * heads, dim), dtype=mixed.dtype, device=mixed.device)
-        k = torch.empty((*lead, groups, dim), dtype=mixed.dtype, device=mixed.device)
-        v = torch.empty_like(k)
-        stats = torch.empty((n_rows, heads + 2, 2), dtype=torch.float32, device=mixed.device)
-        has_bias = bq is not None
-        if n_rows:
-            launch = _head_launch_args(heads, dim)
-            kern.qkv_norm_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-                rows, wq, wk, wv, bq if has_bias else wq, bk if has_bias else wk,
-                bv if has_bias else wv, q, k, v, stats, n_rows, heads, dim, eps,
-                IS_RMS=is_rms, HAS_BIAS=has_bias, **launch)
+        q, k, v, rows, stats = qkv_norm_forward(mixed, heads, dim, eps, is_rms,
+                                                wq, bq, wk, bk, wv, bv)
         ctx.save_for_backward(rows, wq, wk, wv, stats)
-        ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias = heads, dim, is_rms, has_bias
+        ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias = heads, dim, is_rms, bq is not None
         ctx.mixed_shape = mixed.shape
         return q, k, v
 
     @staticmethod
     def backward(ctx, gq, gk, gv):
         rows, wq, wk, wv, stats = ctx.saved_tensors
-        n_rows, heads, dim = rows.shape[0], ctx.heads, ctx.dim
-        gq, gk, gv = (g.contiguous() for g in (gq, gk, gv))
-        dmixed = torch.empty_like(rows)
-        launch = _head_launch_args(heads, dim, QKV_BACKWARD_TILE)
-        bias = ctx.has_bias
-
-        def run(kernel, partials, rows_per_program):
-            return kernel(
-                rows, wq, wk, wv, stats, gq, gk, gv, dmixed, partials, n_rows, heads, dim,
-                rows_per_program, IS_RMS=ctx.is_rms, HAS_BIAS=bias, **launch)
-
-        partials = _backward(kern.qkv_norm_bwd, n_rows, rows.device, 6 if bias else 3, dim,
-                             run)
-        dwq, dwk, dwv, dbq, dbk, dbv = _sum_partials(
-            partials, [wq, wk, wv] + ([wq, wk, wv] if bias else [None] * 3))
-        return (dmixed.view(ctx.mixed_shape), None, None, None, None,
-                dwq, dbq, dwk, dbk, dwv, dbv)
+        drows, *param_grads = qkv_norm_backward(gq, gk, gv, rows, wq, wk, wv, stats,
+                                                ctx.heads, ctx.dim, ctx.is_rms, ctx.has_bias)
+        return (drows.view(ctx.mixed_shape), None, None, None, None, *param_grads)
 
 
 def _head_launch_args(heads: int, dim: int, tile: int = FORWARD_TILE) -> dict:

@@ -41,14 +41,14 @@ class QKVNormSelfAttention(SelfAttention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate=False, split_qkv=True):
         if self.fused_norms and split_qkv and not output_gate:
-            from kernels import triton_ops
+            from kernels import norm_library
 
             mixed, _ = super().get_query_key_value_tensors(hidden_states, key_value_states,
                                                            split_qkv=False)
             heads = (self.num_attention_heads_per_partition
                      // self.num_query_groups_per_partition)
             q_norm = self.q_layernorm
-            return triton_ops.qkv_norm(mixed, heads, self.hidden_size_per_attention_head,
+            return norm_library.qkv_norm(mixed, heads, self.hidden_size_per_attention_head,
                                        q_norm.eps, q_norm.is_rms, q_norm, self.k_layernorm,
                                        self.v_layernorm)
         query, key, value = super().get_query_key_value_tensors(

@@ -3,7 +3,9 @@
 megatron's TransformerBlock, activation recomputation and the pipeline p2p exchange all move a
 single ``hidden_states`` tensor between layers. Concatenating the streams on the hidden
 dimension (SiameseNorm's x and y: [s, b, 2h]; hyper-connections' n streams: [s, b, n h]) lets
-all of them work unchanged; this module is the only place that knows the layout.
+all of them work unchanged; this module is the only place that knows the layout, save one:
+the fused kernels' registered operators (``kernels/stream_library.py``, compiled blocks only)
+take no callable, so they split [x | y] themselves, as :func:`unpack` does.
 """
 
 from __future__ import annotations

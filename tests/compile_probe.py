@@ -60,15 +60,16 @@ def worst_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)) for n in b)
 
 
-def rank_counts(schemes: list[str], parallel_fields: dict, out: str) -> None:
-    """On each spawned rank: :func:`step_counts` for ``schemes``, written by rank 0."""
+def rank_counts(schemes: list[str], parallel_fields: dict, out: str, layers: int = 4) -> None:
+    """On each spawned rank: :func:`step_counts` for ``schemes`` (``layers`` blocks), written
+    by rank 0."""
     parallel.initialize(ParallelConfig(**parallel_fields), seed=1234)
     result = {}
     for scheme in schemes:
-        # 4 layers: divisible by pp x vp; interleaving needs more micro-batches than stages
-        # (as pretrain.config requires; with as many, two-stream schemes' shape exchange
-        # deadlocks in megatron's schedule)
-        counts = step_counts(scheme, parallel_fields, layers=4,
+        # 4 layers (the default): divisible by pp x vp; interleaving needs more micro-batches
+        # than stages (as pretrain.config requires; with as many, two-stream schemes' shape
+        # exchange deadlocks in megatron's schedule)
+        counts = step_counts(scheme, parallel_fields, layers=layers,
                              microbatches=4 if parallel_fields.get("vp") else 2)
         result[scheme] = {"counts": counts, "reasons": {
             reason.splitlines()[0]: n for reason, n in compiled.break_reasons().items()}}

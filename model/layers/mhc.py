@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from kernels.norms import mark_sequence_parallel
@@ -82,7 +83,12 @@ class _Sinkhorn(torch.autograd.Function):
 
 def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
     """The doubly stochastic matrices of ``logits`` [..., n, n] (Sinkhorn-Knopp from
-    exp(logits)); differentiable."""
+    exp(logits)); differentiable. Inside a compiled block the same recomputation is
+    activation checkpointing, which Dynamo traces (its graph breaks on the Function's
+    ``torch.autograd.grad``): backward keeps the logits and runs the iterations again."""
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(_iterate, logits, iterations,
+                                                 use_reentrant=False)
     return _Sinkhorn.apply(logits, iterations)
 
 
@@ -118,7 +124,8 @@ class ManifoldConnection(torch.nn.Module):
         logits = raw * gates + self.static.float()
         pre = torch.sigmoid(logits[..., :n])
         post = 2 * torch.sigmoid(logits[..., n:2 * n])
-        res = sinkhorn(logits[..., 2 * n:].unflatten(-1, (n, n)), self.iterations)
+        # reshape, not unflatten (whose Python wrapper breaks a compiled graph: streams.split)
+        res = sinkhorn(logits[..., 2 * n:].reshape(*logits.shape[:-1], n, n), self.iterations)
         return pre.to(X.dtype), post.to(X.dtype), res.to(X.dtype)
 
 

@@ -101,9 +101,9 @@ def _torch_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float) -
 
 
 def _triton_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float) -> torch.Tensor:
-    from kernels import triton_ops
+    from kernels import stream_library
 
-    return triton_ops.dual_update(u, y, r, c, streams.empty(u), streams.unpack)
+    return stream_library.dual_update(u, y, r, c, streams.empty, streams.unpack)
 
 
 def packed_update(backend: NormBackend) -> PackedUpdate:
