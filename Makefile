@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock scripts/install.sh
 	bash scripts/install.sh $(VENV)
 	touch $@
 
-# Two workers (pytest-xdist), each taking whole test modules (tests/conftest.py: worker_group);
+# Two workers (pytest-xdist), each taking whole test modules, heaviest first (tests/scheduling.py);
 # TEST_WORKERS=0 runs in this process alone. The 25 slowest tests close the report, so every
 # run shows where the suite's time goes.
 TEST_WORKERS ?= 2

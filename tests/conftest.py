@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from model.config import ParallelConfig
 from runtime import cpu_compat, parallel
 from runtime import device as compute
-from tests import tiers
+from tests import scheduling, tiers
 from tests.pretrain_fixtures import cli, make_corpus, train_args
 
 tiers.install()
@@ -123,12 +123,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
-        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+        if "cluster" in item.keywords and scheduling.unit(item.nodeid) != scheduling.CLUSTER:
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked cluster but its module is not in "
+                f"tests/scheduling.py CLUSTER_MODULES (two clusters at once would contend)")
 
 
-def worker_group(item: pytest.Item) -> str:
-    """Which tests share a worker under ``pytest -n N --dist loadgroup`` (``make test``): a
-    module's tests stay together, so its module fixtures (a reference run, a slurm cluster)
-    are built once; every cluster test shares one worker, since two slurm or
-    network-namespace clusters at once would contend for the same daemons and names."""
-    return "cluster" if "cluster" in item.keywords else item.nodeid.split("::", 1)[0]
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (``make test``): whole modules per worker, heaviest first
+    (``tests/scheduling.py``; xdist's own loadgroup does not group under pytest 9.2)."""
+    if config.getvalue("dist") == "loadgroup":
+        from tests.scheduling import ModuleScheduling
+
+        return ModuleScheduling(config, log)
+    return None
