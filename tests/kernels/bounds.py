@@ -190,3 +190,14 @@ def checked() -> Iterator[Report]:
         for name, original in saved.items():
             setattr(builder, name, original)
         report.launch = None
+
+
+def kernel_names() -> set[str]:
+    """The kernels a launch can name: every @triton.jit function of ``kernels.triton_kernels``
+    but its helpers."""
+    import triton
+
+    from kernels import triton_kernels
+
+    return {name for name, value in vars(triton_kernels).items()
+            if isinstance(value, triton.runtime.KernelInterface) and not name.startswith("_")}

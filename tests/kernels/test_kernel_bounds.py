@@ -1,8 +1,8 @@
 """No Triton kernel of ours loads or stores outside the tensors its launch was given, checked
 address by address in Triton's interpreter (tests/kernels/bounds.py) at shapes that are not
-multiples of any tile: every launch the kernel tests make, and every op the GPU check's
-rehearsal times, forward and backward, at odd widths, one of them wide enough for the entry
-backward's re-reads.
+multiples of any tile: every op the GPU check's rehearsal times, forward and backward, at odd
+widths, one of them wide enough for the entry backward's re-reads. (Every launch of the
+kernel tests runs under the same check where it is made: tests/kernels/conftest.py.)
 
 In the interpreter a store under a wrong mask writes into the host's heap, which glibc may
 notice only much later (``double free or corruption``); on a GPU it corrupts device memory.
@@ -13,9 +13,6 @@ kernels with one mask dropped) and keeps the memory around them intact.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,15 +22,12 @@ import triton
 import triton.language as tl
 
 from kernels import triton_kernels, triton_ops
-from tests.kernels.bounds import checked
-from tests.pretrain_fixtures import REPO, env
+from tests.kernels.bounds import checked, kernel_names
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the check reads addresses in Triton's interpreter")
 
-# The kernels a launch can name: every @triton.jit function of the module but the helpers.
-KERNELS = {name for name, value in vars(triton_kernels).items()
-           if isinstance(value, triton.runtime.KernelInterface) and not name.startswith("_")}
+KERNELS = kernel_names()
 
 
 @triton.jit
@@ -124,27 +118,6 @@ def test_a_wrong_mask_in_our_own_kernels_is_caught(tmp_path, monkeypatch):
                 f"stats_ptr + {first} bytes") in violation, violation
     assert torch.allclose(out, torch.nn.functional.layer_norm(x, (96,), weight, bias),
                           atol=1e-5)
-
-
-def _bounds_report(tmp_path, *test_files: str) -> dict:
-    path = tmp_path / "bounds.json"
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p",
-                           "tests.kernels.bounds_plugin", f"--bounds-report={path}",
-                           "-m", "not slow and not gpu", *test_files],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(path.read_text())
-
-
-@pytest.mark.slow
-def test_every_launch_of_the_kernel_tests_stays_inside_its_tensors(tmp_path):
-    """The kernel tests as they are (odd widths 3 to 130, 1 to 41 rows, every entry variant,
-    both dtypes, the partials' program without rows), every launch checked."""
-    report = _bounds_report(tmp_path, "tests/kernels/test_triton_kernels.py",
-                            "tests/kernels/test_partials.py")
-    assert report["violations"] == []
-    assert set(report["launches"]) == KERNELS
-    assert report["variants"] > 50 and report["lanes"] > 10**6
 
 
 @pytest.mark.slow

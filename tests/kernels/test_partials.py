@@ -13,6 +13,8 @@ import torch
 from kernels import triton_ops
 from model import streams
 
+pytestmark = pytest.mark.usefixtures("inside_bounds")  # tests/kernels/conftest.py
+
 ROWS, HIDDEN = 5, 16
 
 

@@ -32,6 +32,12 @@ from model.schemes import ResidualScheme
 from runtime.errors import ConfigError
 from tests import bf16_parity
 from tests.helpers import tiny_model
+from tests.kernels.bounds import kernel_names
+
+# Every launch of these tests checked for loads and stores outside its tensors (the
+# interpreter's addresses; tests/kernels/conftest.py), and the last test holds the check
+# to have seen every kernel.
+pytestmark = pytest.mark.usefixtures("inside_bounds")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -737,3 +743,12 @@ def test_every_scheme_same_loss_and_grads_with_triton(single_rank, device, schem
     for name, grad in grads_t.items():
         bound = 5e-4 if "_hc." in name else 1e-5
         assert rel_err(grads_f[name], grad) <= bound, name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check reads the interpreter's addresses")
+def test_every_kernel_ran_under_the_bounds_check(bounds_report):
+    """The module's launches (odd widths 3 to 130, 1 to 41 rows, every entry variant, both
+    dtypes) covered every kernel of ``kernels.triton_kernels`` and dozens of constexpr
+    variants (the kernels are checked where these tests run them, not in a copy)."""
+    assert set(bounds_report.launches) == kernel_names()
+    assert len(bounds_report.variants) > 50 and bounds_report.lanes > 10**6
