@@ -31,7 +31,7 @@ CLUSTER = "cluster"
 HEAVY = ("tests/model/test_compiled_blocks.py", "tests/pretrain/hf/test_hf_remote.py",
          "tests/bench/test_gpu_check.py", "tests/pretrain/train/test_downstream.py",
          CLUSTER, "tests/runtime/test_parallel_parity.py",
-         "tests/kernels/test_kernel_bounds.py", "tests/pretrain/run/test_async_checkpoint.py",
+         "tests/pretrain/run/test_async_checkpoint.py", "tests/kernels/test_triton_kernels.py",
          "tests/pretrain/train/test_watchdog.py", "tests/pretrain/hf/test_hf_export.py",
          "tests/pretrain/test_pretrain.py", "tests/pretrain/train/test_spike_guard.py",
          "tests/pretrain/report/test_dry_run.py", "tests/pretrain/run/test_no_orphans.py",
