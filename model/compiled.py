@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_a
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from model.layers.base import SchemeLayer
-from runtime import device
+from runtime import cpu_compat, device
 from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
@@ -65,6 +65,8 @@ def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False)
                           "machine); set it false")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
+    if not device.uses_cuda():
+        cpu_compat.prepare_compile()
     _warn_once_outside()
     options = {"triton.cudagraphs": True} if cuda_graphs else None
     found = blocks(chunks)

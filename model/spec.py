@@ -14,7 +14,6 @@ from __future__ import annotations
 from functools import partial
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -45,9 +44,9 @@ from model.layers import SCHEME_FILES
 from model.layers.base import LayerChoice, SchemeLayerSubmodules
 from model.layers.merge import StreamMergeNorm
 from model.local_attention import LocalAttention
-from model.row_linear import RowLinear
 from model.schemes import FinalNorm, Normalization
 from model.sdpa_attention import SDPAttention
+from model.tp_linear import ColumnLinear, RowLinear
 
 
 def plain_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
@@ -78,7 +77,7 @@ def linear_modules(model: ModelConfig) -> dict:
         return {"column": te_module("TEColumnParallelLinear"),
                 "row": te_module("TERowParallelLinear"),
                 "norm_column": te_module("TELayerNormColumnParallelLinear")}
-    return {"column": ColumnParallelLinear, "row": RowLinear, "norm_column": None}
+    return {"column": ColumnLinear, "row": RowLinear, "norm_column": None}
 
 
 def core_attention(model: ModelConfig):

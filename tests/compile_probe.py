@@ -76,3 +76,23 @@ def rank_counts(schemes: list[str], parallel_fields: dict, out: str, layers: int
     if torch.distributed.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     parallel.destroy()
+
+
+def rank_parity(schemes: list[str], layouts: dict[str, dict], out: str) -> None:
+    """On each spawned rank: for each scheme and named layout (all of one TP size), the worst
+    relative loss and gradient differences of compiled (aot_eager) against eager, written by
+    rank 0 (each rank's gradients are its shards: rank 0's stand for both)."""
+    tp = {fields.get("tp", 1) for fields in layouts.values()}
+    assert len(tp) == 1, layouts
+    parallel.initialize(ParallelConfig(tp=tp.pop()), seed=1234)
+    result = {}
+    for scheme in schemes:
+        for name, fields in layouts.items():
+            losses, grads = loss_and_grads(scheme, fields, None)
+            c_losses, c_grads = loss_and_grads(scheme, fields, "aot_eager")
+            result[f"{scheme} {name}"] = {
+                "loss": max(abs(c - e) / abs(e) for c, e in zip(c_losses, losses, strict=True)),
+                "grads": worst_relative(c_grads, grads)}
+    if torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(result))
+    parallel.destroy()
