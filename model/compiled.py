@@ -55,14 +55,21 @@ def use_cache(folder: str | os.PathLike) -> Path:
     return path
 
 
+def require_cuda_graphs_device() -> None:
+    """CUDA graphs (``kernels.cuda_graphs``) need a CUDA device: the one-line refusal, given
+    before the process groups start (the RNG tracker they need is CUDA's)."""
+    if not device.uses_cuda():
+        raise ConfigError("kernels.cuda_graphs (true) needs a CUDA device (none on this "
+                          "machine); set it false")
+
+
 def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False) -> int:
     """Replace each block's ``forward`` by its compiled form (``backend``: inductor, or
     Dynamo's aot_eager / eager for counting breaks without code generation; ``cuda_graphs``:
     inductor's cudagraph trees around each compiled block, CUDA only). Returns the number of
     blocks. Compilation itself happens at the first call, in the first step."""
-    if cuda_graphs and not device.uses_cuda():
-        raise ConfigError("kernels.cuda_graphs (true) needs a CUDA device (none on this "
-                          "machine); set it false")
+    if cuda_graphs:
+        require_cuda_graphs_device()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
     if not device.uses_cuda():

@@ -68,12 +68,14 @@ def setup(config: Config) -> list:
         device.make_deterministic()
     if not device.uses_cuda():
         console.quiet_cpu_notices()
-    parallel.initialize(config.parallel, seed=config.run.seed)
+    k = config.kernels
+    if k.cuda_graphs:
+        compiled.require_cuda_graphs_device()
+    parallel.initialize(config.parallel, seed=config.run.seed, graph_safe_rng=k.cuda_graphs)
     dtype = params_dtype(config)
     chunks = build_model(model_config(config), config.parallel, dtype,
                          config.kernels.norm_backend, seed=config.run.seed,
                          positions_per_token=config.data.reset_position_ids)
-    k = config.kernels
     if k.compile:  # each block's forward, before any wrapper; compiled in the first step
         compiled.use_cache(k.compile_cache or Path(config.run.dir) / "compile_cache")
         compiled.compile_blocks(chunks, k.compile_backend.value, k.cuda_graphs)

@@ -25,12 +25,14 @@ class Layout(Protocol):
     vp: int | None
 
 
-def initialize(parallel: Layout, seed: int = 1234) -> None:
+def initialize(parallel: Layout, seed: int = 1234, graph_safe_rng: bool = False) -> None:
     """Join (or create, for a single process) the default group and build megatron's groups.
 
     The process is bound to its device first (:mod:`runtime.device`): NCCL on its GPU, or gloo
     on the CPU, where the caller must have entered :func:`runtime.cpu_compat.enabled`. A
     process started without torchrun gets a one-rank group on a free local port.
+    ``graph_safe_rng``: megatron's RNG tracker in its CUDA-graph-safe form (CUDA only; see
+    :func:`seed_everything`).
     """
     if not device.uses_cuda() and not cpu_compat.active():
         raise RuntimeError("on a CPU, megatron runs inside runtime.cpu_compat.enabled(); "
@@ -54,14 +56,21 @@ def initialize(parallel: Layout, seed: int = 1234) -> None:
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vp,
     )
-    seed_everything(seed)
+    seed_everything(seed, graph_safe_rng)
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, graph_safe_rng: bool = False) -> None:
+    """Python's, numpy's and torch's generators, and megatron's model-parallel RNG tracker.
+    With ``graph_safe_rng`` (``kernels.cuda_graphs``) the tracker keeps its states in CUDA
+    generators that a captured graph advances (megatron's ``use_cudagraphable_rng``), so
+    dropout inside a replayed graph draws new numbers each step instead of replaying the
+    captured ones; the tracker is made anew either way, so a process seeded twice gets the
+    kind it asked for last."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe_rng,
+                                    force_reset_rng=True)
 
 
 def any_rank(flag: bool) -> bool:

@@ -154,15 +154,51 @@ def test_selective_recompute_is_refused_with_compile():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_cuda_graphs_are_refused_without_cuda(single_rank):
-    from model.builder import build_model
-    from model.config import ParallelConfig
-    from runtime.errors import ConfigError
-    from tests.helpers import tiny_model
+def test_cuda_graphs_are_refused_without_cuda_before_anything_starts(data, tmp_path):
+    """On a machine without CUDA the run stops in one line before its process groups start
+    (they would seed megatron's graph-safe RNG tracker, which is CUDA's) and writes nothing."""
+    from tests.pretrain_fixtures import cli, train_args
 
-    chunks = build_model(tiny_model("pre", num_layers=1), ParallelConfig())
-    with pytest.raises(ConfigError, match=r"kernels.cuda_graphs \(true\) needs a CUDA device"):
-        compiled.compile_blocks(chunks, "inductor", cuda_graphs=True)
+    run = tmp_path / "run"
+    done = cli(*train_args(data, run, "--kernels.compile=true", "--kernels.cuda_graphs=true"),
+               check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if "cuda_graphs" in line]
+    assert len(lines) == 1 and "needs a CUDA device (none on this machine); set it false" \
+        in lines[0] and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (run / "checkpoints").exists() and not (run / "compile_cache").exists()
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_the_rng_tracker_is_graph_safe_exactly_with_cuda_graphs(monkeypatch, cuda_graphs):
+    """kernels.cuda_graphs seeds megatron's model-parallel RNG tracker in its graph-safe form
+    (``use_cudagraphable_rng``), made anew; the call is recorded here, since on the CPU
+    megatron cannot build that tracker (its states are CUDA generators; the gpu test below
+    builds it)."""
+    from runtime import parallel
+
+    calls = []
+    monkeypatch.setattr(parallel, "model_parallel_cuda_manual_seed",
+                        lambda seed, **kwargs: calls.append((seed, kwargs)))
+    parallel.seed_everything(7, graph_safe_rng=cuda_graphs)
+    assert calls == [(7, {"use_cudagraphable_rng": cuda_graphs, "force_reset_rng": True})]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_seed_a_graph_safe_rng_tracker(single_rank):
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        is_graph_safe_cuda_rng_tracker,
+    )
+
+    from runtime import parallel
+
+    try:
+        parallel.seed_everything(7, graph_safe_rng=True)
+        assert is_graph_safe_cuda_rng_tracker(get_cuda_rng_tracker())
+    finally:
+        parallel.seed_everything(1234)  # the session's seed and tracker, for what follows
+    assert not is_graph_safe_cuda_rng_tracker(get_cuda_rng_tracker())
 
 
 RECOMPUTE = {"full-1": dict(recompute="full", recompute_num_layers=1),
