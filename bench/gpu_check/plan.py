@@ -55,7 +55,7 @@ GPU = Sizes(dtype="bf16", copy_bytes=1 << 30, gemm=8192, norm_tokens=8192, norm_
             alternative_tokens=8192)
 REHEARSAL = Sizes(dtype="fp32", copy_bytes=8 << 20, gemm=256, norm_tokens=16, norm_hidden=64,
                   norm_rounds=1, layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, seq=32,
-                  vocab=256, micro_batch=1, steps=2, warmup=1, rounds=2, full_layers=2,
+                  vocab=256, micro_batch=1, steps=2, warmup=1, rounds=1, full_layers=2,
                   alternative_tokens=2)
 
 

@@ -77,6 +77,43 @@ def test_run_parts_keeps_order_records_failures_and_skips_what_time_cannot_fit(t
     assert "- second: failed: ValueError: broken" in page and "- third: skipped:" in page
 
 
+def test_step_rounds_interleave_schemes_pool_samples_and_take_ratios_to_pre(tmp_path,
+                                                                            monkeypatch):
+    """Rounds of one worker per scheme, interleaved (the rehearsal runs one round): each
+    scheme's samples pooled over its rounds, the worst activation kept, medians and ratios
+    to pre from the pool, and a failed worker recorded without its samples."""
+    from bench import gpu_step
+    from bench.gpu_check import bench_parts
+
+    calls = []
+
+    def worker(scheme, micro_batch, impl, recompute, forwarded, timeout=None):
+        calls.append(scheme)
+        if scheme == "post" and len(calls) == 6:
+            return None  # the second round's post fails
+        step = {"pre": 1.0, "siamese": 1.25, "post": 2.0}[scheme] * len(calls)
+        return {"scheme": scheme, "micro_batch": micro_batch, "seq": 4, "parameters": 10,
+                "fwd_bwd_s": [step / 2], "optimizer_s": [step / 4], "step_s": [step],
+                "activation_bytes": 2**30 * len(calls), "peak_bytes": 2**31,
+                "flops_per_step": 1e12, "peak_tflops": None, "device": "cpu",
+                "attention": "sdpa", "linears": "local", "norms": "torch", "first_loss": 5.0}
+
+    monkeypatch.setattr(gpu_step, "run_worker", worker)
+    context = Context(out=tmp_path, sizes=REHEARSAL, rehearsal=True, bundle=tmp_path / "none")
+    context.deadline = float("inf")
+    data = bench_parts.measure_steps(context, ("pre", "siamese", "post"), 2, 1, 1)
+    assert calls == ["pre", "siamese", "post"] * 2  # round by round, not scheme by scheme
+    assert data["rounds_done"] == 2 and data["failed"] == ["post, round 2"]
+    rows = {r["scheme"]: r for r in data["rows"]}
+    assert (rows["pre"]["samples"], rows["siamese"]["samples"], rows["post"]["samples"]) \
+        == (2, 2, 1)
+    assert rows["pre"]["step_ms"] == 1e3 * (1 + 4) / 2  # the median of its two rounds
+    assert rows["siamese"]["step_ms"] == 1e3 * 1.25 * (2 + 5) / 2
+    assert rows["siamese"]["step_ratio"] == rows["siamese"]["step_ms"] / rows["pre"]["step_ms"]
+    assert rows["siamese"]["activation_gib"] == 5  # the larger of its rounds'
+    assert rows["post"]["activation_ratio"] == 3 / 4
+
+
 def _wheel(folder: Path, filename: str, requires: list[str]) -> None:
     name, version = filename.split("-")[:2]
     with zipfile.ZipFile(folder / filename, "w") as archive:
