@@ -745,6 +745,7 @@ def test_every_scheme_same_loss_and_grads_with_triton(single_rank, device, schem
         assert rel_err(grads_f[name], grad) <= bound, name
 
 
+@pytest.mark.slow  # about the module's launches checked, which the fast tier leaves unchecked
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the check reads the interpreter's addresses")
 def test_every_kernel_ran_under_the_bounds_check(bounds_report):
     """The module's launches (odd widths 3 to 130, 1 to 41 rows, every entry variant, both
