@@ -251,10 +251,10 @@ def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy):
     xr, yr = _rows(x), _rows(y)
     rr = _rows(r) if update else xr
     n_rows, n_cols = xr.shape
-    gs = _rows(gs)
+    has_gx, has_gy = gx is not None, gy is not None
+    gs = _rows(gs)  # stands in for an absent gradient, which the kernel does not read
     ga = gs if ga is None else _rows(ga)
-    gy = gs if gy is None else _rows(gy)
-    has_gx, has_gy = gx is not None, gy is not gs
+    gy = _rows(gy) if has_gy else gs
     gx = _rows(gx) if has_gx else gs
     dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
     has_bias = bb is not None
