@@ -117,22 +117,23 @@ def _run_ops(dtype: torch.dtype, is_rms: bool, has_bias: bool, hidden: int) -> N
         # siamese entry from the packed input and block 0's (each with and without the input
         # norm), update+entry, the attention entry storing no u and the MLP entry computing
         # it, siamese_hybrid's gated entry (packed, block 0) and the merge
-        *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None,
+        *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None, None,
                *params),
-        *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None,
+        *entry(Entry(eps, is_rms, pass_y=True), streams.unpack, packed, None, None, None, None,
                *params[:4], None, None),
-        *entry(Entry(eps, is_rms), None, None, x, y, None, *params),
-        *entry(Entry(eps, is_rms), None, None, x, y, None, *params[:4], None, None),
-        *entry(Entry(eps, is_rms, scale=3.0), None, None, x, y, r, *params),
+        *entry(Entry(eps, is_rms), None, None, x, y, None, None, *params),
+        *entry(Entry(eps, is_rms), None, None, x, y, None, None, *params[:4], None, None),
+        *entry(Entry(eps, is_rms), None, None, x, y, r, 3.0, *params),
         *entry(Entry(eps, is_rms, store_a=False, pass_x=True, pass_y=True), streams.unpack,
-               packed, None, None, None, *params),
-        *entry(Entry(eps, is_rms, scale=3.0, u_from_x=True), None, None, x, y, r, *params,
+               packed, None, None, None, None, *params),
+        *entry(Entry(eps, is_rms, u_from_x=True), None, None, x, y, r, 3.0, *params,
                w[2], b[2]),
         *entry(Entry(eps, is_rms, store_a=False, gate=True, pass_x=True, pass_y=True),
-               streams.unpack, packed, None, None, None, w[0], None, *params[2:4], None, None),
-        *entry(Entry(eps, is_rms, store_a=False, gate=True), None, None, x, y, None,
+               streams.unpack, packed, None, None, None, None, w[0], None, *params[2:4], None,
+               None),
+        *entry(Entry(eps, is_rms, store_a=False, gate=True), None, None, x, y, None, None,
                w[0], None, *params[2:4], None, None),
-        entry(Entry(eps, is_rms, store_a=False), streams.unpack, packed, None, None, None,
+        entry(Entry(eps, is_rms, store_a=False), streams.unpack, packed, None, None, None, None,
               *params)[3],
     ]
     # QKV-norm attention at the 1.3B shape: 32 heads / 8 K/V groups, head_dim 64

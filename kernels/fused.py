@@ -47,8 +47,9 @@ class FusedNorms:
             params += [None, None] if norm is None else [norm.weight, getattr(norm, "bias", None)]
         return params
 
-    def _apply(self, kind, halves, packed, x, y, r=None, *u_norm):
-        return self._library.entry(kind, halves, packed, x, y, r, *self._params(), *u_norm)
+    def _apply(self, kind, halves, packed, x, y, r=None, scale=None, *u_norm):
+        return self._library.entry(kind, halves, packed, x, y, r, scale, *self._params(),
+                                   *u_norm)
 
     def entry(self, x: torch.Tensor, y: torch.Tensor,
               store_u: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -68,7 +69,8 @@ class FusedNorms:
         return u, x, y, s
 
     def update_entry(self, u: torch.Tensor | None, y: torch.Tensor, r: torch.Tensor,
-                     scale: float, u_from: tuple[torch.Tensor, Norm] | None = None):
+                     scale: float | torch.Tensor,
+                     u_from: tuple[torch.Tensor, Norm] | None = None):
         """(u', y', s): x = u + r / scale, y' = y + r, then u' = Na(x), s = Nc(u' + Nb(y')).
         ``u_from`` = (x0, norm): u is norm(x0), computed here from x0 forward and backward
         (``u`` may then be None: the previous entry need not store it), its gradient sent on
@@ -77,11 +79,11 @@ class FusedNorms:
         if u_from is None:
             if u is None:
                 raise ValueError("update_entry needs u, or u_from to compute it")
-            u, y, _, s = self._apply(self._kind(scale=scale), None, None, u, y, r)
+            u, y, _, s = self._apply(self._kind(), None, None, u, y, r, scale)
             return u, y, s
         x0, norm = u_from
-        kind = self._kind(scale=scale, u_from_x=True)
-        u, y, _, s = self._apply(kind, None, None, x0, y, r, norm.weight, norm.bias)
+        kind = self._kind(u_from_x=True)
+        u, y, _, s = self._apply(kind, None, None, x0, y, r, scale, norm.weight, norm.bias)
         return u, y, s
 
     def computes_like(self, norm) -> bool:

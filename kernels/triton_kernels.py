@@ -29,6 +29,10 @@ point of fusing is to read each input row once and write each output row once:
 - ``norm``: a plain RMSNorm / LayerNorm, or with ``HAS_RESIDUAL`` a Post-Norm sublayer's
   ``N(alpha h + r)`` in one pass (the sum is recomputed in backward, never stored).
 
+An update's c is read from memory (``scale_ptr``, one fp32 value), not passed as a number:
+every block then launches with the same arguments but a pointer, so a compiled block's graph
+takes c as an input instead of holding it as a per-block constant (``model/compiled.py``).
+
 ``HAS_BIAS``: the norms' LayerNorm bias (``model.norm_bias``); RMSNorm never has one. Bias
 gradients are accumulated, and their partial slots written, only with it: each accumulator is
 a row's width of registers per program.
@@ -148,7 +152,7 @@ def entry_fwd(
     x_ptr, y_ptr, r_ptr, x_stride, y_stride, r_stride,
     wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, bc_ptr, wu_ptr, bu_ptr,
     a_out_ptr, y_out_ptr, s_out_ptr, stats_ptr,
-    n_rows, n_cols, scale, eps,
+    n_rows, n_cols, scale_ptr, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
     HAS_C: tl.constexpr, GATE: tl.constexpr, RECOMPUTE_U: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -169,7 +173,7 @@ def entry_fwd(
             x = _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS,
                              HAS_BIAS)
         r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
-        x = _add_branch(x, r, scale)
+        x = _add_branch(x, r, tl.load(scale_ptr))
         y = _add_branch(y, r, 1.0)
         _store(y_out_ptr, n_cols, rows, cols, mask, y)
 
@@ -208,7 +212,7 @@ def _recompute_u(x, cols, mask, col_mask, wu_ptr, bu_ptr, n_cols, eps, IS_RMS: t
 
 @triton.jit
 def _entry_x_hat(x, r, wu_ptr, bu_ptr, stats_ptr, rows, row_mask, cols, col_mask, mask, mean_u,
-                 rstd_u, scale, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 rstd_u, scale_ptr, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
                  UPDATE: tl.constexpr, RECOMPUTE_U: tl.constexpr, GATE: tl.constexpr):
     """The entry backward's x_hat and Na's rstd of a tile of x as forward computed them: x,
     or with UPDATE u + r / c (u itself Npost(x0) with RECOMPUTE_U, ``x`` then x0, from its
@@ -218,7 +222,7 @@ def _entry_x_hat(x, r, wu_ptr, bu_ptr, stats_ptr, rows, row_mask, cols, col_mask
         if RECOMPUTE_U:
             x = _affine(_hat(x.to(tl.float32), mask, mean_u, rstd_u, IS_RMS), wu_ptr, bu_ptr,
                         cols, col_mask, HAS_BIAS).to(x.dtype)
-        x = _add_branch(x, r, scale)
+        x = _add_branch(x, r, tl.load(scale_ptr))
     if GATE:
         x_hat, rstd = x.to(tl.float32), rstd_u
     else:
@@ -264,7 +268,7 @@ def entry_bwd(
     wa_ptr, ba_ptr, wb_ptr, bb_ptr, wc_ptr, wu_ptr, bu_ptr, stats_ptr,
     ga_ptr, gy_ptr, gx_ptr, gs_ptr, ga_stride, gy_stride, gx_stride, gs_stride,
     dx_ptr, dy_ptr, dr_ptr, dx_stride, dy_stride, dw_ptr,
-    n_rows, n_cols, rows_per_program, scale, eps,
+    n_rows, n_cols, rows_per_program, scale_ptr, eps,
     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, UPDATE: tl.constexpr, STORE_A: tl.constexpr,
     HAS_C: tl.constexpr, RECOMPUTE_U: tl.constexpr, GATE: tl.constexpr, HAS_GX: tl.constexpr,
     HAS_GY: tl.constexpr, RELOAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -315,7 +319,7 @@ def entry_bwd(
         if RECOMPUTE_U:  # Npost's statistics of x0, for each recomputation of u
             _, mean_u, rstd_u = _normalize(x.to(tl.float32), mask, n_cols, eps, IS_RMS)
         x_hat, rstd_a = _entry_x_hat(x, r, wu_ptr, bu_ptr, stats_ptr, rows, row_mask, cols,
-                                     col_mask, mask, mean_u, rstd_u, scale, IS_RMS, HAS_BIAS,
+                                     col_mask, mask, mean_u, rstd_u, scale_ptr, IS_RMS, HAS_BIAS,
                                      UPDATE, RECOMPUTE_U, GATE)
         y_hat, rstd_b = _entry_y_hat(y, r, stats_ptr, rows, row_mask, mask, IS_RMS, UPDATE)
         g_z = _load(gs_ptr, gs_stride, rows, cols, mask).to(tl.float32)
@@ -333,7 +337,7 @@ def entry_bwd(
                     _load(x_ptr, x_stride, rows, cols, mask, "evict_first"),
                     _branch(r_ptr, r_stride, rows, cols, mask, UPDATE, "evict_first"), wu_ptr,
                     bu_ptr, stats_ptr, rows, row_mask, cols, col_mask, mask, mean_u, rstd_u,
-                    scale, IS_RMS, HAS_BIAS, UPDATE, RECOMPUTE_U, GATE)
+                    scale_ptr, IS_RMS, HAS_BIAS, UPDATE, RECOMPUTE_U, GATE)
         # x's side: Na (or the gate)
         g_a = g_z
         if STORE_A:
@@ -362,7 +366,7 @@ def entry_bwd(
         if HAS_GY:
             dy += _load(gy_ptr, gy_stride, rows, cols, mask).to(tl.float32)
         if UPDATE:
-            _store(dr_ptr, n_cols, rows, cols, mask, dx / scale + dy)
+            _store(dr_ptr, n_cols, rows, cols, mask, dx / tl.load(scale_ptr) + dy)
             if RECOMPUTE_U:  # u = Npost(x0): on to x0 and Npost's weights
                 u_hat = _hat(_load(x_ptr, x_stride, rows, cols, mask).to(tl.float32), mask,
                              mean_u, rstd_u, IS_RMS)
@@ -392,7 +396,7 @@ def entry_bwd(
 @triton.jit
 def dual_update_fwd(
     u_ptr, y_ptr, r_ptr, u_stride, y_stride, r_stride, ox_ptr, oy_ptr, out_stride,
-    n_rows, n_cols, scale, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    n_rows, n_cols, scale_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """x = u + r / c and y = y + r, written into two strided outputs (the packed halves)."""
     rows, row_mask = _tile_rows(tl.program_id(0).to(tl.int64) * ROWS, n_rows, ROWS)
@@ -401,13 +405,13 @@ def dual_update_fwd(
     r = _load(r_ptr, r_stride, rows, cols, mask).to(tl.float32)
     u = _load(u_ptr, u_stride, rows, cols, mask).to(tl.float32)
     y = _load(y_ptr, y_stride, rows, cols, mask).to(tl.float32)
-    _store(ox_ptr, out_stride, rows, cols, mask, u + r / scale)
+    _store(ox_ptr, out_stride, rows, cols, mask, u + r / tl.load(scale_ptr))
     _store(oy_ptr, out_stride, rows, cols, mask, y + r)
 
 
 @triton.jit
 def dual_update_bwd(
-    gx_ptr, gy_ptr, gx_stride, gy_stride, dr_ptr, n_rows, n_cols, scale,
+    gx_ptr, gy_ptr, gx_stride, gy_stride, dr_ptr, n_rows, n_cols, scale_ptr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """dr = gx / c + gy, the branch output's gradient, read from the two strided halves of the
@@ -417,7 +421,7 @@ def dual_update_bwd(
     mask = row_mask[:, None] & (cols < n_cols)[None, :]
     gx = _load(gx_ptr, gx_stride, rows, cols, mask).to(tl.float32)
     gy = _load(gy_ptr, gy_stride, rows, cols, mask).to(tl.float32)
-    _store(dr_ptr, n_cols, rows, cols, mask, gx / scale + gy)
+    _store(dr_ptr, n_cols, rows, cols, mask, gx / tl.load(scale_ptr) + gy)
 
 
 @triton.jit

@@ -188,18 +188,17 @@ class Entry(NamedTuple):
     """What an :class:`EntryFunction` launch computes besides its tensors: fixed when a layer
     is built, so it is one hashable argument.
 
-    ``scale``: c of the update (with a branch output r); ``store_a``: a = Na(x) is an
-    output; ``gate``: Na is a per-channel gate a = x * wa, not a norm (siamese_hybrid's
-    attention entry); ``pass_x`` / ``pass_y``: x / y are outputs too, for a later op of the
-    layer to read, so that their gradients come back into this function's backward and join
-    the stream gradients inside the kernel, not in autograd's sums; ``u_from_x``: in an
-    update, x is not u but the previous entry's input, u = Nu(x) by the weights ``wu``,
-    ``bu`` (computed forward and backward, never stored; its gradient goes on to x and Nu's
-    weights)."""
+    ``store_a``: a = Na(x) is an output; ``gate``: Na is a per-channel gate a = x * wa, not a
+    norm (siamese_hybrid's attention entry); ``pass_x`` / ``pass_y``: x / y are outputs too,
+    for a later op of the layer to read, so that their gradients come back into this
+    function's backward and join the stream gradients inside the kernel, not in autograd's
+    sums; ``u_from_x``: in an update, x is not u but the previous entry's input, u = Nu(x) by
+    the weights ``wu``, ``bu`` (computed forward and backward, never stored; its gradient goes
+    on to x and Nu's weights). An update's c is no part of it but an operand
+    (:func:`scale_operand`)."""
 
     eps: float
     is_rms: bool
-    scale: float = 1.0
     store_a: bool = True
     gate: bool = False
     pass_x: bool = False
@@ -207,13 +206,26 @@ class Entry(NamedTuple):
     u_from_x: bool = False
 
 
+def scale_operand(scale: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """An update's c as the kernels read it: one fp32 value in memory on ``like``'s device. A
+    layer passes its own, made once (``TwoStreamLayer.c_operand``); a number is copied there
+    (a test's or a benchmark's convenience: a host-to-device copy per call)."""
+    if not isinstance(scale, torch.Tensor):
+        return torch.full((), float(scale), dtype=torch.float32, device=like.device)
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != like.device:
+        raise ValueError(f"an update's scale must be one fp32 value on {like.device}, not "
+                         f"{tuple(scale.shape)} {scale.dtype} on {scale.device}")
+    return scale
+
+
 def entry_forward(kind: Entry, x, y, r, wa, ba, wb, bb, wc, bc, wu=None, bu=None,
-                  zero_stats: bool = False):
+                  scale: float | torch.Tensor = 1.0, zero_stats: bool = False):
     """The entry's launch: (a, y_new, s, stats) as [rows, h] tensors (a None unless
-    ``kind.store_a``, y_new None without an update ``r``) and the per-row fp32 values backward
-    reads. Shared by :class:`EntryFunction` and the registered op ``siamesenorm::entry``
-    (``kernels/stream_library.py``), which sets ``zero_stats`` (a launch writes only the
-    columns its kind needs; an op's output must be a function of its inputs)."""
+    ``kind.store_a``, y_new None without an update ``r``, whose x share is r / ``scale``) and
+    the per-row fp32 values backward reads. Shared by :class:`EntryFunction` and the
+    registered op ``siamesenorm::entry`` (``kernels/stream_library.py``), which sets
+    ``zero_stats`` (a launch writes only the columns its kind needs; an op's output must be a
+    function of its inputs)."""
     update = r is not None
     xr, yr = _rows(x), _rows(y)
     rr = _rows(r) if update else xr
@@ -232,14 +244,15 @@ def entry_forward(kind: Entry, x, y, r, wa, ba, wb, bb, wc, bc, wu=None, bu=None
             wa if wc is None else wc, wa if bc is None else bc,
             wa if wu is None else wu, wa if bu is None else bu,
             s if a is None else a, s if y_new is None else y_new, s, stats,
-            n_rows, n_cols, float(kind.scale), kind.eps,
+            n_rows, n_cols, scale_operand(scale, xr) if update else stats, kind.eps,
             IS_RMS=kind.is_rms, HAS_BIAS=bb is not None, UPDATE=update, STORE_A=kind.store_a,
             HAS_C=wc is not None, GATE=kind.gate, RECOMPUTE_U=update and kind.u_from_x,
             **launch)
     return a, y_new, s, stats
 
 
-def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy):
+def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy,
+                   scale: float | torch.Tensor = 1.0):
     """Backward of :func:`entry_forward`: writes the streams' gradients into the [rows, h]
     tensors ``dx`` and ``dy`` (which may be the halves of one packed tensor) and returns
     (dr, the gradients of ``params`` = (wa, ba, wb, bb, wc, bc, wu, bu)), None where absent
@@ -259,6 +272,7 @@ def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy):
     dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
     has_bias = bb is not None
     launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE, MAX_BACKWARD_WARPS)
+    scale = scale_operand(scale, xr) if update else stats  # the kernel reads it with r only
 
     def run(kernel, partials, rows_per_program):
         return kernel(
@@ -267,7 +281,7 @@ def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy):
             wa if wc is None else wc, wa if wu is None else wu, wa if bu is None else bu,
             stats, ga, gy, gx, gs, ga.stride(0), gy.stride(0), gx.stride(0), gs.stride(0),
             dx, dy, dr, dx.stride(0), dy.stride(0), partials,
-            n_rows, n_cols, rows_per_program, float(kind.scale), kind.eps,
+            n_rows, n_cols, rows_per_program, scale, kind.eps,
             IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update,
             STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=recompute_u,
             GATE=kind.gate, HAS_GX=has_gx, HAS_GY=has_gy,
@@ -302,14 +316,15 @@ class EntryFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, kind: Entry, halves: Callable | None, packed, x, y, r,
+    def forward(ctx, kind: Entry, halves: Callable | None, packed, x, y, r, scale,
                 wa, ba, wb, bb, wc, bc, wu=None, bu=None):
         if packed is not None:
             x, y = halves(packed)
         params = (wa, ba, wb, bb, wc, bc, wu, bu)
-        a, y_new, s, stats = entry_forward(kind, x, y, r, *params)
+        scale = scale_operand(scale, x) if r is not None else None
+        a, y_new, s, stats = entry_forward(kind, x, y, r, *params, scale=scale)
         ctx.save_for_backward(x, y, r, *params, stats)
-        ctx.kind, ctx.halves = kind, halves
+        ctx.kind, ctx.halves, ctx.scale = kind, halves, scale
         ctx.packed_shape = None if packed is None else packed.shape
         shape = x.shape
         y_out = y_new.view(shape) if r is not None else (y if kind.pass_y else None)
@@ -331,17 +346,17 @@ class EntryFunction(torch.autograd.Function):
         dr, param_grads = entry_backward(
             kind, x, y, r, params, stats, grad_a if kind.store_a else None,
             grad_y if r is not None or kind.pass_y else None,
-            grad_x if kind.pass_x else None, grad_s, dx, dy)
+            grad_x if kind.pass_x else None, grad_s, dx, dy, ctx.scale)
         shape = grad_s.shape
         if dpacked is not None:
             stream_grads = (dpacked, None, None)
         else:
             stream_grads = (None, dx.view(shape), dy.view(shape))
-        return (None, None, *stream_grads, None if dr is None else dr.view(shape),
+        return (None, None, *stream_grads, None if dr is None else dr.view(shape), None,
                 *param_grads)
 
 
-def dual_update_forward(u, y, r, scale: float, ox, oy) -> None:
+def dual_update_forward(u, y, r, scale: float | torch.Tensor, ox, oy) -> None:
     """Writes u + r / scale into ``ox`` and y + r into ``oy`` ([rows, h], one row stride)."""
     ur, yr, rr = _rows(u), _rows(y), _rows(r)
     n_rows, n_cols = ur.shape
@@ -349,10 +364,10 @@ def dual_update_forward(u, y, r, scale: float, ox, oy) -> None:
         launch = _launch_args(n_cols)
         kern.dual_update_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
             ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
-            n_rows, n_cols, float(scale), **launch)
+            n_rows, n_cols, scale_operand(scale, ur), **launch)
 
 
-def dual_update_backward(gx, gy, scale: float):
+def dual_update_backward(gx, gy, scale: float | torch.Tensor):
     """r's gradient gx / scale + gy of :func:`dual_update_forward`, shaped like ``gx``."""
     n_cols = gx.shape[-1]
     gxr, gyr = _rows(gx), _rows(gy)
@@ -361,7 +376,8 @@ def dual_update_backward(gx, gy, scale: float):
     if n_rows:
         launch = _launch_args(n_cols)
         kern.dual_update_bwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-            gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols, float(scale),
+            gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols,
+            scale_operand(scale, gxr),
             **launch)
     return dr.view(gx.shape)
 
@@ -373,12 +389,13 @@ class DualUpdateFunction(torch.autograd.Function):
     entry kernels read in place) and computes r's, gx / scale + gy, in one pass."""
 
     @staticmethod
-    def forward(ctx, u, y, r, scale: float, out: torch.Tensor, halves: Callable):
+    def forward(ctx, u, y, r, scale: float | torch.Tensor, out: torch.Tensor,
+                halves: Callable):
         ox, oy = (half.view(-1, u.shape[-1]) for half in halves(out))  # written in place
         if ox.stride(0) != oy.stride(0) or ox.stride(-1) != 1 or oy.stride(-1) != 1:
             raise ValueError("the packed halves must be row-contiguous with one row stride")
-        dual_update_forward(u, y, r, scale, ox, oy)
-        ctx.scale, ctx.halves = float(scale), halves
+        ctx.scale, ctx.halves = scale_operand(scale, u), halves
+        dual_update_forward(u, y, r, ctx.scale, ox, oy)
         ctx.mark_dirty(out)
         return out
 
@@ -487,7 +504,7 @@ def add_norm(h: torch.Tensor, r: torch.Tensor, alpha: float, weight: torch.Tenso
     return NormFunction.apply(h, r, alpha, weight, None if is_rms else bias, eps, is_rms)
 
 
-def dual_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float,
+def dual_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, scale: float | torch.Tensor,
                 out: torch.Tensor, halves: Callable) -> torch.Tensor:
     """``out`` with its halves set to (u + r / scale, y + r); see :class:`DualUpdateFunction`."""
     return DualUpdateFunction.apply(u, y, r, scale, out, halves)

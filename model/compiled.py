@@ -5,8 +5,12 @@ schedules, megatron's recompute wrappers, the embedding, the loss and the hooks 
 around it. What is compiled is the block's bound ``forward`` (not ``Module.compile``, whose
 compiled ``__call__`` would take forward hooks, such as the per-stream diagnostics', into the
 graph). Dynamo caches on the code object, so every block of one class shares its compiled
-code: a scheme whose blocks are one class compiles once, Mix-LN and HybridNorm* twice; only a
-block whose guarded constants differ adds an entry (none measured; ``docs/compile.md``).
+code: a scheme whose blocks are one class compiles once, Mix-LN and HybridNorm* twice; a
+block whose guarded constants differ adds an entry: global block 0, which reads the
+embedding (``SchemeLayer.reads_embedding``). What differs from block to block enters as an
+input, not a constant: SiameseNorm's c_l is a tensor inside a compiled block
+(``TwoStreamLayer.c_operand``), so its blocks past the first share one graph
+(``docs/compile.md``).
 
 Graph breaks inside a block are counted, not refused (``fullgraph=False``): a layout or
 backend the tests have not covered then runs, slower, instead of stopping, and the first step
@@ -33,8 +37,9 @@ from runtime.errors import ConfigError
 log = logging.getLogger("pretrain")
 
 # Entries a code object may hold before Dynamo falls back to eager: every block class of a
-# model shares one per distinct set of guarded constants; megatron's default (8) is ample for
-# one, and this bound keeps a model with many block variants compiled.
+# model shares one per distinct set of guarded constants (two: global block 0 and the rest);
+# Dynamo's default (8) is ample for that, and this bound keeps a model with many block
+# variants compiled.
 RECOMPILE_LIMIT = 64
 
 
@@ -84,8 +89,9 @@ def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False)
         # stays eager. megatron's own layer (pre) compiles whole.
         name = "compute" if isinstance(block, SchemeLayer) else "forward"
         # dynamic=False: every step's shapes are the same (sequence length, micro-batch), and
-        # packed documents change values (document ids, positions), not shapes. Floats and
-        # ints a block holds (its layer number, SiameseNorm's c_l) are constants of its graph.
+        # packed documents change values (document ids, positions), not shapes. A float or
+        # int a block reads is a constant of its graph, so none that differs between blocks
+        # is read inside one (c_l is read as a tensor).
         setattr(block, name, torch.compile(getattr(block, name), backend=backend,
                                            dynamic=False, options=options))
     return len(found)

@@ -40,7 +40,8 @@ class SiameseLayer(TwoStreamLayer):
         x, y, u, s = self.enter(self.attn_norms, hidden_states, store_u=not computed)
         r = self.attention(s, inputs)
         # x = u + r/c, y += r; entry
-        u, y, s = self.mlp_norms.update_entry(u, y, r, self.c, (x, self.attn_norms.post))
+        u, y, s = self.mlp_norms.update_entry(u, y, r, self.c_operand,
+                                              (x, self.attn_norms.post))
         r = self.feed_forward(s, inputs)
         return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed
 

@@ -97,7 +97,7 @@ class SiameseHybridLayer(TwoStreamLayer):
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
         x, y, a = self.gated_entry(hidden_states)
         r = self.attention(a, inputs)
-        u, y, s = self.mlp_norms.update_entry(x, y, r, self.c)   # x = x + r/c, y += r; entry
+        u, y, s = self.mlp_norms.update_entry(x, y, r, self.c_operand)  # x += r/c, y += r; entry
         r = self.feed_forward(s, inputs)
         return self.streams_out(u, y, r)                          # x = u + r/c, y += r; packed
 

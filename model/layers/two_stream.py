@@ -75,7 +75,8 @@ class SublayerNorms(torch.nn.Module):
         itself (fused, with a norm like its own), so the previous entry need not store u."""
         return self.fused is not None and self.fused.computes_like(norm)
 
-    def update_entry(self, u: torch.Tensor | None, y: torch.Tensor, r: torch.Tensor, c: float,
+    def update_entry(self, u: torch.Tensor | None, y: torch.Tensor, r: torch.Tensor,
+                     c: float | torch.Tensor,
                      u_from: tuple[torch.Tensor, torch.nn.Module] | None = None):
         if self.fused is not None:
             if u is not None:  # stored by the previous entry: read it (u_from is for u None)
@@ -93,14 +94,17 @@ CHECKPOINT_NAMES = {f"{sub}_norms.{part}.": f"{sub}_{name}_norm."
                     for part, name in (("post", "post"), ("pre", "pre"), ("inp", "in"))}
 
 
-PackedUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+PackedUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | torch.Tensor],
+                       torch.Tensor]
 
 
-def _torch_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float) -> torch.Tensor:
+def _torch_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor,
+                  c: float | torch.Tensor) -> torch.Tensor:
     return streams.pack(u + r / c, y + r)
 
 
-def _triton_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor, c: float) -> torch.Tensor:
+def _triton_update(u: torch.Tensor, y: torch.Tensor, r: torch.Tensor,
+                   c: float | torch.Tensor) -> torch.Tensor:
     from kernels import stream_library
 
     return stream_library.dual_update(u, y, r, c, streams.empty, streams.unpack)
@@ -111,6 +115,10 @@ def packed_update(backend: NormBackend) -> PackedUpdate:
     layer is built (as every other kernel choice): with triton one kernel writes both halves
     in place."""
     return _triton_update if backend is NormBackend.TRITON else _torch_update
+
+
+def _fp32(value: float, device: torch.device | None = None) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 def siamese_params(model) -> dict:
@@ -134,7 +142,28 @@ class TwoStreamLayer(SchemeLayer):
         # c_l = sqrt(2 (l + 1)) for global block index l; ``layer_number`` is global and
         # 1-based, so pipeline stages agree with the unsharded model. 1: the paper's ablation.
         self.c = math.sqrt(2.0 * self.layer_number) if depth_constant else 1.0
+        # c_l once more as one fp32 value on the layer's device (see ``c_operand``); not
+        # saved, as it follows from the layer number.
+        self.register_buffer("c_tensor", _fp32(self.c), persistent=False)
         self.dual_update = packed_update(self.backend)
+
+    def _apply(self, fn, recurse: bool = True):
+        # A cast of the whole model (megatron's Float16Module makes every floating buffer
+        # bf16) would round c_l; it is made again, exact in fp32, wherever the cast put it.
+        super()._apply(fn, recurse)
+        self.c_tensor = _fp32(self.c, self.c_tensor.device)
+        return self
+
+    @property
+    def c_operand(self) -> float | torch.Tensor:
+        """c_l as the updates take it. Eager torch code divides by the float (the rounding
+        eager has always had). The Triton kernels read the tensor from memory, and inside a
+        compiled block the tensor is a graph input where the float would be a constant
+        Dynamo guards: with it every block past global block 0 shares one compiled graph,
+        where the float made one per block."""
+        if self.backend is NormBackend.TRITON or torch.compiler.is_compiling():
+            return self.c_tensor
+        return self.c
 
     def sublayer_norms(self, post: bool = True) -> SublayerNorms:
         return SublayerNorms(self.build_norm, self.backend, post=post, inp=self.input_norm)
@@ -156,7 +185,7 @@ class TwoStreamLayer(SchemeLayer):
     def streams_out(self, u: torch.Tensor, y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         """The last update, x = u + r / c_l and y = y + r, as the packed tensor the next layer
         reads."""
-        return self.dual_update(u, y, r, self.c)
+        return self.dual_update(u, y, r, self.c_operand)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None):

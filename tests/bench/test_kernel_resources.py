@@ -66,11 +66,11 @@ def test_no_launch_at_the_1_3b_width_spills_on_an_h100():
     """Every kernel, bf16 and fp32, RMSNorm and LayerNorm with bias, hidden 2048, compiled for
     sm_90 without local memory, and every backward kernel two programs per SM but three
     LayerNorm-with-bias entries (the MLP entry computing u in both dtypes, the attention
-    entry storing a in both, and in fp32 the one that also adds y's gradient), whose
-    accumulators spill at 128 registers (8-240 bytes), so they keep the compiler's 169-245
-    and one program. The others that take more than 128 registers (134-215) fit two capped
-    at 128. (Hidden 4096 and 8192 still spill in the entry backward: kernels.md lists
-    them.)"""
+    entry storing a in both, and in fp32 the one that also adds y's gradient) and fp32
+    RMSNorm's MLP entry computing u (capped before its update read c from memory), whose
+    accumulators spill at 128 registers, so they keep the compiler's 134-245 and one
+    program. The others that take more than 128 registers (166-215) fit two capped at 128.
+    (Hidden 4096 and 8192 still spill in the entry backward: kernels.md lists them.)"""
     rows = _run("bench.kernel_resources", "--hidden", "2048", "--norm", "rmsnorm,layernorm+bias",
                 "--json")
     assert {r["kernel"] for r in rows} == set(KERNELS)
@@ -85,7 +85,8 @@ def test_no_launch_at_the_1_3b_width_spills_on_an_h100():
     assert one_per_sm == {
         *(("entry_bwd", variant, "layernorm+bias", dtype) for dtype in ("bf16", "fp32")
           for variant in ("update+store_a+has_c+recompute_u+has_gy", "store_a+has_c")),
-        ("entry_bwd", "store_a+has_c+has_gy", "layernorm+bias", "fp32")}
+        ("entry_bwd", "store_a+has_c+has_gy", "layernorm+bias", "fp32"),
+        ("entry_bwd", "update+store_a+has_c+recompute_u+has_gy", "rmsnorm", "fp32")}
     capped = [r for r in rows if r["maxnreg"]]
-    assert {r["kernel"] for r in capped} == {"entry_bwd"} and len(capped) == 5
+    assert {r["kernel"] for r in capped} == {"entry_bwd"} and len(capped) == 4
     assert all(r["programs_per_sm"] == 2 for r in capped)

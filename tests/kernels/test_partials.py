@@ -34,19 +34,19 @@ def _grads(monkeypatch, value: float, is_rms: bool, has_bias: bool) -> list[torc
 
     x, y, r = t(ROWS, HIDDEN), t(ROWS, HIDDEN), t(ROWS, HIDDEN)
     packed = t(ROWS, 2 * HIDDEN)
-    update = triton_ops.Entry(1e-5, is_rms, scale=3.0)
-    from_x = triton_ops.Entry(1e-5, is_rms, scale=3.0, u_from_x=True)
+    update = triton_ops.Entry(1e-5, is_rms)
+    from_x = triton_ops.Entry(1e-5, is_rms, u_from_x=True)
     gate = triton_ops.Entry(1e-5, is_rms, store_a=False, gate=True, pass_x=True, pass_y=True)
     w = [t(HIDDEN) for _ in range(3)]
     b = [t(HIDDEN) for _ in range(3)] if has_bias else [None] * 3
     outputs = [
         triton_ops.norm(x, w[0], b[0], 1e-5, is_rms),
         triton_ops.add_norm(x, r, 2.5, w[0], b[0], 1e-5, is_rms),
-        *triton_ops.EntryFunction.apply(update, None, None, x, y, r, w[0], b[0], w[1], b[1],
-                                        w[2], b[2]),
-        *triton_ops.EntryFunction.apply(from_x, None, None, x, y, r, w[0], b[0], w[1], b[1],
-                                        w[2], b[2], w[2], b[2]),
-        *triton_ops.EntryFunction.apply(gate, streams.unpack, packed, None, None, None,
+        *triton_ops.EntryFunction.apply(update, None, None, x, y, r, 3.0, w[0], b[0], w[1],
+                                        b[1], w[2], b[2]),
+        *triton_ops.EntryFunction.apply(from_x, None, None, x, y, r, 3.0, w[0], b[0], w[1],
+                                        b[1], w[2], b[2], w[2], b[2]),
+        *triton_ops.EntryFunction.apply(gate, streams.unpack, packed, None, None, None, None,
                                         w[0], None, w[1], b[1], None, None),
     ]
     mixed = t(ROWS, 1, 2, (2 + 2) * 8)  # 2 K/V groups of 2 query heads, head size 8

@@ -20,11 +20,11 @@ SCHEMES = [s.value for s in ResidualScheme]
 
 def expected_graphs(scheme: str, layers: int = 3) -> int:
     """Graphs a 3-block model compiles in its first step: one per block class (Mix-LN and
-    HybridNorm* have two, and block 0 of a scheme whose first block reads the embedding is a
-    graph of its own), except where a block holds a constant of its own that Dynamo guards:
-    SiameseNorm's c_l = sqrt(2 l) makes every block of siamese and siamese_hybrid its own
-    graph."""
-    return layers if scheme in ("siamese", "siamese_hybrid") else 2
+    HybridNorm* have two), and block 0 of a scheme whose first block reads the embedding is a
+    graph of its own. SiameseNorm's c_l = sqrt(2 l) differs from block to block: it enters
+    the graph as an input (``TwoStreamLayer.c_operand``), so its blocks share one graph too
+    (a float c_l made each block of siamese and siamese_hybrid a graph of its own)."""
+    return 2
 
 
 # The fast tier compiles these two (single- and two-stream); the rest of the registry, a few
