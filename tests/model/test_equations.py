@@ -337,3 +337,22 @@ def test_sinkhorn_is_doubly_stochastic():
         assert (m.sum(-1) - 1).abs().max() <= rows, scale
     small = torch.randn(3, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 20), (small,))
+
+
+@pytest.mark.parametrize("scheme", ["siamese", "siamese_hybrid"])
+def test_c_l_stays_exact_fp32_through_a_bf16_cast_and_out_of_checkpoints(single_rank, scheme):
+    """The tensor c_l the Triton kernels and compiled blocks read (``c_operand``) is
+    sqrt(2 l) rounded once to fp32 in every block, also after megatron's Float16Module has
+    cast the model to bf16 (which rounds every other floating buffer: sqrt(2) to 1.4140625),
+    and it is no part of a checkpoint (it follows from the layer number)."""
+    from megatron.core.transformer.module import Float16Module
+
+    [model] = build_model(tiny_model(scheme), ParallelConfig(), params_dtype=torch.bfloat16)
+    wrapped = Float16Module(model.config, model)
+    layers = [m for m in wrapped.modules() if hasattr(m, "c_tensor")]
+    assert len(layers) == tiny_model(scheme).num_layers
+    for i, layer in enumerate(layers):
+        want = torch.tensor(math.sqrt(2 * (i + 1)), dtype=torch.float32)
+        assert layer.c_tensor.dtype == torch.float32 and layer.c_tensor.item() == want.item()
+        assert layer.c == math.sqrt(2 * (i + 1))
+    assert not any("c_tensor" in k for k in wrapped.state_dict())
