@@ -26,6 +26,9 @@ def run_once(scheme: str, steps: int, folder: Path) -> list[float]:
         [sys.executable, "-m", "pretrain", "train", "--config", CONFIG,
          f"--model.residual_scheme={scheme}", f"--run.steps={steps}", "--data.valid_samples=0",
          "--optim.warmup_steps=1", "--run.save_interval=0", "--logging.wandb_mode=disabled",
+         # eager, as every table of this benchmark was measured (the demo compiles its
+         # blocks; bench.compiled_blocks times eager against compiled)
+         "--kernels.compile=false",
          f"--run.dir={run_dir}", f"--data.cache_dir={folder / 'cache'}"],
         check=True, capture_output=True, text=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

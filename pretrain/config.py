@@ -350,8 +350,9 @@ class KernelsConfig:
     """Compile each transformer block with torch.compile (model/compiled.py): blocks of one
     class share their compiled code, the schedules, recompute wrappers, embedding and loss stay
     eager. Compilation happens in the first step, which the console reports with its
-    seconds; later starts load it from compile_cache. Off by default: on the 2-core CPU demo it
-    does not pay for itself (docs/compile.md)."""
+    seconds; later starts load it from compile_cache. Off by default until a GPU run has timed
+    it; the CPU demo's config turns it on, where it pays for itself (docs/compile.md).
+    generate, lm-eval and export-hf run eager whatever this says."""
     compile_backend: CompileBackend = CompileBackend.INDUCTOR
     """With compile: inductor (generated code), or aot_eager / eager (Dynamo's capture only,
     no code generation: for checking graph breaks and recompiles quickly)."""

@@ -26,6 +26,9 @@ TINY = [
     "--data.micro_batch_size=4", "--data.global_batch_size=8",
     "--optim.lr=3e-3", "--optim.warmup_steps=2", "--data.valid_samples=16",
     "--run.log_interval=1", "--logging.wandb_mode=disabled",
+    # eager, though the demo compiles: a tiny run never pays compilation back, and the
+    # compiled path has its own CLI tests (tests/model/test_compiled_blocks.py)
+    "--kernels.compile=false",
 ]
 
 

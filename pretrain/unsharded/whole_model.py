@@ -20,12 +20,19 @@ from runtime.errors import ConfigError
 
 
 def single_process(config: Config, command: str) -> None:
-    """Refuse a launch under torchrun and set the config to the unsharded layout."""
+    """Refuse a launch under torchrun and set the config to the unsharded layout, eager.
+
+    Compiled blocks (``kernels.compile``) are a training setting: these commands run a few
+    forwards whose shapes change from call to call (generation grows its sequence a token at
+    a time, lm-eval's requests differ in length, export traces once), each of which a
+    block compiled for static shapes would compile again, so they run the blocks eager
+    whatever the training config says."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != 1:
         raise ConfigError(f"{command} runs in one process (WORLD_SIZE is {world}); start it "
                           "without torchrun")
     config.parallel = ParallelConfig()
+    config.kernels.compile = config.kernels.cuda_graphs = False
     validate(config, world_size=1, training=False)
 
 

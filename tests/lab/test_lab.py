@@ -186,7 +186,7 @@ def _two_cell_sweep(tmp_path, capsys):
         "model.hidden_size = 32", "model.num_attention_heads = 2", "model.ffn_hidden_size = 64",
         "model.seq_length = 32", "model.vocab_size = 512", "data.micro_batch_size = 4",
         "data.global_batch_size = 4", "data.valid_samples = 4", "run.eval_interval = 100",
-        "run.save_interval = 0", "diagnostics.interval = 2",
+        "run.save_interval = 0", "diagnostics.interval = 2", "kernels.compile = false",
         f"data.prefixes = [\"{data['prefix']}\"]", f"data.tokenizer = \"{data['tokenizer']}\""])
     first = _preset(tmp_path / "one.toml", GRID, train)
     both = _preset(tmp_path / "two.toml", GRID.replace('["pre"]', '["pre", "siamese"]'), train)

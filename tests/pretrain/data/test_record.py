@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from pretrain.data import record
-from pretrain.data.tokenizer import open_tokenizer
 from pretrain.data.checks import check_dataset
+from pretrain.data.tokenizer import open_tokenizer
 from runtime.errors import DataError
 from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer
 

@@ -18,6 +18,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 from megatron.core.datasets.utils import Split
 
 from pretrain.data import prepare
+from pretrain.data.checks import check_dataset
 from pretrain.data.documents import Skipped, iter_documents
 from pretrain.data.prepare import prepare_data
 from pretrain.data.tokenizer import (
@@ -30,7 +31,6 @@ from pretrain.data.tokenizer import (
     open_tokenizer,
     train_tokenizer,
 )
-from pretrain.data.checks import check_dataset
 from pretrain.unsharded.generate import completion
 from runtime.errors import UserError
 from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer

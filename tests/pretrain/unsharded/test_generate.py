@@ -140,3 +140,15 @@ def test_top_k_and_top_p_restrict_the_draw():
     assert nucleus == {0}
     everything = {next_token(logits, Sampling(temperature=3.0), gen) for _ in range(600)}
     assert everything == {0, 1, 2, 3, 4}
+
+
+def test_whole_model_commands_run_eager_whatever_the_training_config(run):
+    """generate, lm-eval and export-hf build the blocks eager even where the run's config
+    compiles them (the demo's does): their shapes change from call to call, which a block
+    compiled for static shapes would compile again each time."""
+    from pretrain.unsharded.whole_model import single_process
+
+    config = load_config(str(run / "config.toml"), ["--kernels.compile=true"], training=False)
+    assert config.kernels.compile
+    single_process(config, "generate")
+    assert not config.kernels.compile and not config.kernels.cuda_graphs
