@@ -5,7 +5,10 @@ loss, LR, gradient norm, tokens/s (and MFU on a GPU) as its postfix; validation 
 other messages print above it. Anywhere else (slurm output, CI, a redirected log) every
 ``run.log_interval`` steps prints one plain line with the same fields, so a log file reads
 top to bottom. The ETA is the remaining steps at the mean time per step of this process so
-far (a resumed run does not count the steps it did not train).
+far, leaving out its first step (a resumed run does not count the steps it did not train):
+that step carries one-off work, above all compiled blocks' compilation (about 14 s of the
+CPU demo's first step, whose ETA would otherwise have said an hour for a three-minute run),
+so the first step's line gives no ETA.
 """
 
 from __future__ import annotations
@@ -50,24 +53,31 @@ class Progress:
         self.stream = stream or sys.stderr
         self.start, self.total, self.enabled = start, total, enabled
         self.began = time.perf_counter()
+        self.first_done: float | None = None  # when this process's first step ended
         self.bar = None
 
     def begin(self) -> None:
         self.began = time.perf_counter()
+        self.first_done = None
         if self.enabled and self.stream.isatty():
             self.bar = tqdm(total=self.total, initial=self.start, file=self.stream,
                             unit="step", dynamic_ncols=True,
                             bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}<{remaining}]"
                                        "{postfix}")
 
-    def timing(self, step: int) -> tuple[float, float]:
-        """(elapsed seconds, estimated seconds left) after ``step``."""
-        elapsed = time.perf_counter() - self.began
-        done = max(step - self.start, 1)
-        return elapsed, elapsed / done * (self.total - step)
+    def timing(self, step: int) -> tuple[float, float | None]:
+        """(elapsed seconds, estimated seconds left) after ``step``: the steps after this
+        process's first at their mean time so far (None after the first step alone)."""
+        now = time.perf_counter()
+        after_first = step - self.start - 1
+        if self.first_done is None or after_first < 1:
+            return now - self.began, None
+        return now - self.began, (now - self.first_done) / after_first * (self.total - step)
 
     def step(self, step: int, record: dict | None) -> None:
         """After each step; ``record`` is the logged metrics of a logged step, else None."""
+        if self.first_done is None:
+            self.first_done = time.perf_counter()
         if self.bar is not None:
             if record is not None:
                 self.bar.set_postfix_str(fields(record), refresh=False)
@@ -77,7 +87,8 @@ class Progress:
             return
         elapsed, left = self.timing(step)
         log.info("step %d/%d (%.0f%%) %s | elapsed %s, ETA %s", step, self.total,
-                 100 * step / self.total, fields(record), clock(elapsed), clock(left))
+                 100 * step / self.total, fields(record), clock(elapsed),
+                 "-" if left is None else clock(left))
 
     def message(self, text: str) -> None:
         """A line that stays (validation results, the stop notice)."""

@@ -200,3 +200,24 @@ def test_a_library_line_with_its_own_handler_shows_once(capfd):
         root.setLevel(level)
     assert err.count("a library line") == 1, err
     assert "[pretrain] a line of ours" in err, err
+
+
+def test_the_eta_leaves_out_the_first_step(monkeypatch):
+    """A first step of 100 s (a compiled run's compilation) then steps of 1 s: after step 3 of
+    10 the ETA is the 7 steps left at 1 s, not at the mean of all three (34 s); after the
+    first step alone there is none. A resumed run counts from the step it started at."""
+    from pretrain.report import progress as module
+
+    now = [0.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: now[0])
+    for start in (0, 5):
+        progress = module.Progress(start, start + 10, enabled=False)
+        progress.begin()
+        ticks = [100.0, 1.0, 1.0]
+        for step, seconds in enumerate(ticks, start + 1):
+            now[0] += seconds
+            progress.step(step, None)
+            elapsed, left = progress.timing(step)
+            if step == start + 1:
+                assert (elapsed, left) == (100.0, None)
+        assert (elapsed, left) == (102.0, 7.0)
