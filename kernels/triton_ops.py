@@ -209,7 +209,9 @@ class Entry(NamedTuple):
 def scale_operand(scale: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """An update's c as the kernels read it: one fp32 value in memory on ``like``'s device. A
     layer passes its own, made once (``TwoStreamLayer.c_operand``); a number is copied there
-    (a test's or a benchmark's convenience: a host-to-device copy per call)."""
+    (a test's or a benchmark's convenience: a host-to-device copy per call). Applied where a
+    scale enters (the autograd Functions, the compiled path's wrappers); the launch functions
+    below take its result."""
     if not isinstance(scale, torch.Tensor):
         return torch.full((), float(scale), dtype=torch.float32, device=like.device)
     if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != like.device:
@@ -219,7 +221,7 @@ def scale_operand(scale: float | torch.Tensor, like: torch.Tensor) -> torch.Tens
 
 
 def entry_forward(kind: Entry, x, y, r, wa, ba, wb, bb, wc, bc, wu=None, bu=None,
-                  scale: float | torch.Tensor = 1.0, zero_stats: bool = False):
+                  scale: torch.Tensor | None = None, zero_stats: bool = False):
     """The entry's launch: (a, y_new, s, stats) as [rows, h] tensors (a None unless
     ``kind.store_a``, y_new None without an update ``r``, whose x share is r / ``scale``) and
     the per-row fp32 values backward reads. Shared by :class:`EntryFunction` and the
@@ -244,7 +246,7 @@ def entry_forward(kind: Entry, x, y, r, wa, ba, wb, bb, wc, bc, wu=None, bu=None
             wa if wc is None else wc, wa if bc is None else bc,
             wa if wu is None else wu, wa if bu is None else bu,
             s if a is None else a, s if y_new is None else y_new, s, stats,
-            n_rows, n_cols, scale_operand(scale, xr) if update else stats, kind.eps,
+            n_rows, n_cols, scale if update else stats, kind.eps,
             IS_RMS=kind.is_rms, HAS_BIAS=bb is not None, UPDATE=update, STORE_A=kind.store_a,
             HAS_C=wc is not None, GATE=kind.gate, RECOMPUTE_U=update and kind.u_from_x,
             **launch)
@@ -252,7 +254,7 @@ def entry_forward(kind: Entry, x, y, r, wa, ba, wb, bb, wc, bc, wu=None, bu=None
 
 
 def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy,
-                   scale: float | torch.Tensor = 1.0):
+                   scale: torch.Tensor | None = None):
     """Backward of :func:`entry_forward`: writes the streams' gradients into the [rows, h]
     tensors ``dx`` and ``dy`` (which may be the halves of one packed tensor) and returns
     (dr, the gradients of ``params`` = (wa, ba, wb, bb, wc, bc, wu, bu)), None where absent
@@ -272,7 +274,6 @@ def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy,
     dr = torch.empty((n_rows, n_cols), dtype=rr.dtype, device=rr.device) if update else dx
     has_bias = bb is not None
     launch = _launch_args(n_cols, ENTRY_BACKWARD_TILE, MAX_BACKWARD_WARPS)
-    scale = scale_operand(scale, xr) if update else stats  # the kernel reads it with r only
 
     def run(kernel, partials, rows_per_program):
         return kernel(
@@ -281,7 +282,7 @@ def entry_backward(kind: Entry, x, y, r, params, stats, ga, gy, gx, gs, dx, dy,
             wa if wc is None else wc, wa if wu is None else wu, wa if bu is None else bu,
             stats, ga, gy, gx, gs, ga.stride(0), gy.stride(0), gx.stride(0), gs.stride(0),
             dx, dy, dr, dx.stride(0), dy.stride(0), partials,
-            n_rows, n_cols, rows_per_program, scale, kind.eps,
+            n_rows, n_cols, rows_per_program, scale if update else stats, kind.eps,
             IS_RMS=kind.is_rms, HAS_BIAS=has_bias, UPDATE=update,
             STORE_A=kind.store_a, HAS_C=wc is not None, RECOMPUTE_U=recompute_u,
             GATE=kind.gate, HAS_GX=has_gx, HAS_GY=has_gy,
@@ -356,7 +357,7 @@ class EntryFunction(torch.autograd.Function):
                 *param_grads)
 
 
-def dual_update_forward(u, y, r, scale: float | torch.Tensor, ox, oy) -> None:
+def dual_update_forward(u, y, r, scale: torch.Tensor, ox, oy) -> None:
     """Writes u + r / scale into ``ox`` and y + r into ``oy`` ([rows, h], one row stride)."""
     ur, yr, rr = _rows(u), _rows(y), _rows(r)
     n_rows, n_cols = ur.shape
@@ -364,10 +365,10 @@ def dual_update_forward(u, y, r, scale: float | torch.Tensor, ox, oy) -> None:
         launch = _launch_args(n_cols)
         kern.dual_update_fwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
             ur, yr, rr, ur.stride(0), yr.stride(0), rr.stride(0), ox, oy, ox.stride(0),
-            n_rows, n_cols, scale_operand(scale, ur), **launch)
+            n_rows, n_cols, scale, **launch)
 
 
-def dual_update_backward(gx, gy, scale: float | torch.Tensor):
+def dual_update_backward(gx, gy, scale: torch.Tensor):
     """r's gradient gx / scale + gy of :func:`dual_update_forward`, shaped like ``gx``."""
     n_cols = gx.shape[-1]
     gxr, gyr = _rows(gx), _rows(gy)
@@ -376,9 +377,7 @@ def dual_update_backward(gx, gy, scale: float | torch.Tensor):
     if n_rows:
         launch = _launch_args(n_cols)
         kern.dual_update_bwd[(triton.cdiv(n_rows, launch["ROWS"]),)](
-            gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols,
-            scale_operand(scale, gxr),
-            **launch)
+            gxr, gyr, gxr.stride(0), gyr.stride(0), dr, n_rows, n_cols, scale, **launch)
     return dr.view(gx.shape)
 
 
