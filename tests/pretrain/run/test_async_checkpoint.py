@@ -178,27 +178,25 @@ def test_a_failed_background_write_stops_the_run_and_keeps_the_previous_checkpoi
 
 def test_two_gloo_ranks_with_the_distributed_optimizer(data, tmp_path):
     """Data parallel over 2 gloo ranks, each writing its shard of the distributed optimizer's
-    state in its own background writer: the same checkpoints as in the foreground, and a
-    resume from one repeats the losses."""
-    layout = ["--parallel.distributed_optimizer=true", "--run.steps=6",
+    state in its own background writer while training goes on. A foreground run resumed from
+    the background checkpoint of step 3 repeats the losses of steps 4-7 and saves at steps 6
+    and 7 (the run's end) the checkpoints the background run wrote there, tensor for tensor:
+    the background writes hold the foreground's contents (steps 6 and 7 directly, step 3
+    through everything resumed from it), in two runs rather than three."""
+    layout = ["--parallel.distributed_optimizer=true", "--run.steps=7", "--run.keep_last=3",
               f"--run.save_interval={EVERY}", "--run.eval_interval=100"]
-    runs = {}
-    for name, extra in (("foreground", []), ("background", [BACKGROUND])):
-        runs[name] = tmp_path / name
-        cli(*train_args(data, runs[name], *layout, *extra), nproc=2)
-    assert train_losses(runs["background"]) == train_losses(runs["foreground"])
-    saved = SAVED[:2]
-    assert_same_checkpoints(runs["foreground"], runs["background"], saved)
-    rngs = sorted(p.name for p in (runs["background"] / "checkpoints" / saved[0] / "rng").iterdir())
+    background = tmp_path / "background"
+    cli(*train_args(data, background, *layout, BACKGROUND), nproc=2)
+    first, second, last = SAVED[0], SAVED[1], "step_00000007"
+    rngs = sorted(p.name for p in (background / "checkpoints" / first / "rng").iterdir())
     assert rngs == ["rank0.pt", "rank1.pt"]
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(runs["background"] / "checkpoints" / saved[0],
-                    resumed / "checkpoints" / saved[0])
-    cli(*train_args(data, resumed, *layout, BACKGROUND), nproc=2)
-    reference = train_losses(runs["foreground"])
-    assert train_losses(resumed) == {step: reference[step] for step in (4, 5, 6)}
-    assert_same_checkpoints(runs["foreground"], resumed, saved[1:])
+    shutil.copytree(background / "checkpoints" / first, resumed / "checkpoints" / first)
+    cli(*train_args(data, resumed, *layout), nproc=2)
+    reference = train_losses(background)
+    assert train_losses(resumed) == {step: reference[step] for step in (4, 5, 6, 7)}
+    assert_same_checkpoints(background, resumed, [second, last])
 
 
 @pytest.mark.slow  # the writer is a forked process
