@@ -229,8 +229,10 @@ def norm_config(args, dtype: torch.dtype = torch.bfloat16):
 
 def measure_op(op: Op, args, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                te_available: bool = False,
-               keep: Callable[[str], bool] = lambda impl: True) -> list[dict]:
-    """Rows of one op: every implementation ``keep`` accepts, forward and forward+backward."""
+               keep: Callable[[str], bool] = lambda impl: True,
+               compile_backend: str = "inductor") -> list[dict]:
+    """Rows of one op: every implementation ``keep`` accepts, forward and forward+backward;
+    the torch.compile row with ``compile_backend``."""
     from kernels.backend import NormBackend
 
     config = norm_config(args, dtype)
@@ -241,7 +243,8 @@ def measure_op(op: Op, args, device: str = "cuda", dtype: torch.dtype = torch.bf
             continue  # no norm in this op: TE has nothing to run
         call = op_call(op, backend)
         cases.append((impl, op_module(op, backend, config, args.hidden, device),
-                      torch.compile(call) if compiled else call, None))
+                      torch.compile(call, backend=compile_backend) if compiled else call,
+                      None))
         if backend is NormBackend.TRITON:
             cases += [(f"triton, backward tile {tile}", cases[-1][1], call, tile)
                       for tile in args.backward_tiles]
