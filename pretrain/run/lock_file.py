@@ -142,8 +142,11 @@ class LockFile:
             if holder is None:
                 continue  # released as we looked: create again
             gone = holder.stale(self.stale_s)
-            if not gone:
+            if not gone and holder.text:
                 return holder.describe()
+            if not gone:  # created a moment ago, its name not written yet: read it again
+                time.sleep(0.05)
+                continue
             if self.take_over(holder):
                 log.info("took over %s from %s: %s", self.path, holder.describe(), gone)
                 return ""

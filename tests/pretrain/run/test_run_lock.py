@@ -175,6 +175,23 @@ def test_a_takeover_cannot_slip_between_another_takers_check_and_its_create(
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_a_lock_created_but_not_yet_named_is_read_again_for_its_name(tmp_path):
+    """Between a start's create and its write the file is empty: another start reading it
+    then waits for the name (the race of the test below, made certain) instead of refusing
+    with no name; a file that stays empty is still refused, as not written yet."""
+    path = tmp_path / "run.lock"
+    path.touch()
+    named = threading.Timer(0.2, left_behind, (path, HOST, os.getpid()))
+    named.start()
+    try:
+        assert LockFile(path, None).take() == f"host {HOST}, pid {os.getpid()}, since " \
+                                               "2026-01-01 00:00:00"
+    finally:
+        named.join()
+    path.write_text("")
+    assert LockFile(path, None).take() == lock_file.NOT_WRITTEN
+
+
 def test_many_starts_racing_for_one_stale_lock_have_one_winner(tmp_path):
     path, _ = stale_lock(tmp_path)
     starts = [LockFile(path, None) for _ in range(8)]
