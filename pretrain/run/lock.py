@@ -21,11 +21,12 @@ import errno
 import fcntl
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain.run.lock_file import NOT_WRITTEN, LockFile, holder_line
+from pretrain.run.lock_file import ATTEMPTS, NOT_WRITTEN, LockFile, holder_line
 from runtime.errors import ConfigError
 from runtime.parallel import any_rank
 
@@ -61,9 +62,9 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                text = os.read(fd, 4096).decode(errors="replace").strip()
+                text = _holder_text(fd)
                 os.close(fd)
-                return text or NOT_WRITTEN
+                return text
             except OSError as err:
                 if err.errno not in FLOCK_UNSUPPORTED:
                     os.close(fd)
@@ -110,6 +111,17 @@ def _open(path: Path) -> tuple[int, bool]:
             return os.open(path, os.O_RDWR), False
         except FileNotFoundError:
             continue  # removed between the two calls
+
+
+def _holder_text(fd: int) -> str:
+    """What the holder of the flock on ``fd`` wrote. It writes its name right after taking the
+    lock, so a file still empty is read again, 50 ms apart, up to ATTEMPTS times."""
+    for _ in range(ATTEMPTS):
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return NOT_WRITTEN
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -2,7 +2,8 @@
 set-ups): flock is made to fail as it does there (ENOLCK), and the run lock falls back to a
 lock file with a heartbeat. A second holder is refused naming the first; a lock whose holder
 is provably gone (a dead PID here, a heartbeat older than the limit anywhere) is taken over;
-a takeover has one winner however starts interleave; release removes the file."""
+a takeover has one winner however starts interleave; release removes the file. With flock
+or without, a start reading a holder that has not yet written its name reads it again."""
 
 import errno
 import fcntl
@@ -190,6 +191,23 @@ def test_a_lock_created_but_not_yet_named_is_read_again_for_its_name(tmp_path):
         named.join()
     path.write_text("")
     assert LockFile(path, None).take() == lock_file.NOT_WRITTEN
+
+
+def test_a_flock_holder_not_yet_named_is_read_again_for_its_name(tmp_path):
+    """With flock, the holder locks the file, then writes its name: a second start between
+    the two waits for the name; a holder that never writes one is refused as not written."""
+    path = tmp_path / "run.lock"
+    path.touch()
+    with path.open("r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        named = threading.Timer(0.2, left_behind, (path, HOST, 4242))
+        named.start()
+        try:
+            assert RunLock(tmp_path).take().startswith(f"host {HOST}, pid 4242, since ")
+        finally:
+            named.join()
+        path.write_text("")
+        assert RunLock(tmp_path).take() == lock_file.NOT_WRITTEN
 
 
 def test_many_starts_racing_for_one_stale_lock_have_one_winner(tmp_path):
