@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from pretrain.run import lock as run_lock
 from pretrain.run import lock_file
 from pretrain.run.lock import RunLock
 from pretrain.run.lock_file import STALE_S, LockFile, process_space, read_holder
@@ -176,7 +177,7 @@ def test_a_takeover_cannot_slip_between_another_takers_check_and_its_create(
     assert sorted(os.listdir(tmp_path)) == []
 
 
-def test_a_lock_created_but_not_yet_named_is_read_again_for_its_name(tmp_path):
+def test_a_lock_created_but_not_yet_named_is_read_again_for_its_name(tmp_path, monkeypatch):
     """Between a start's create and its write the file is empty: another start reading it
     then waits for the name (the race of the test below, made certain) instead of refusing
     with no name; a file that stays empty is still refused, as not written yet."""
@@ -190,10 +191,11 @@ def test_a_lock_created_but_not_yet_named_is_read_again_for_its_name(tmp_path):
     finally:
         named.join()
     path.write_text("")
+    monkeypatch.setattr(lock_file, "ATTEMPTS", 3)  # 150 ms of reads, not 2 s
     assert LockFile(path, None).take() == lock_file.NOT_WRITTEN
 
 
-def test_a_flock_holder_not_yet_named_is_read_again_for_its_name(tmp_path):
+def test_a_flock_holder_not_yet_named_is_read_again_for_its_name(tmp_path, monkeypatch):
     """With flock, the holder locks the file, then writes its name: a second start between
     the two waits for the name; a holder that never writes one is refused as not written."""
     path = tmp_path / "run.lock"
@@ -207,6 +209,7 @@ def test_a_flock_holder_not_yet_named_is_read_again_for_its_name(tmp_path):
         finally:
             named.join()
         path.write_text("")
+        monkeypatch.setattr(run_lock, "ATTEMPTS", 3)  # 150 ms of reads, not 2 s
         assert RunLock(tmp_path).take() == lock_file.NOT_WRITTEN
 
 
