@@ -28,8 +28,8 @@ def _device_dtype(sizes: Sizes) -> tuple[str, torch.dtype]:
 def norms(ctx: Context) -> dict:
     """Every fused op at the 1.3B shape's rows, fwd and fwd+bwd: our kernels, torch eager and
     torch's own norm first for every op, then torch.compile (its compiles are the slow part).
-    The rehearsal compiles with aot_eager, as the compiled steps do: inductor's CPU code is
-    not what a GPU runs, and from a cold cache its C++ builds took 29 of the part's 33 s."""
+    The rehearsal compiles with aot_eager (``_compile_backend``): from a cold cache inductor's
+    C++ builds took 29 of the part's 33 s."""
     device, dtype = _device_dtype(ctx.sizes)
     args = SimpleNamespace(seq=ctx.sizes.norm_tokens, batch=1, hidden=ctx.sizes.norm_hidden,
                            norm="rmsnorm", rounds=ctx.sizes.norm_rounds, backward_tiles=[])
@@ -38,7 +38,7 @@ def norms(ctx: Context) -> dict:
     data = {"tokens": args.seq, "hidden": args.hidden, "norm": args.norm,
             "dtype": ctx.sizes.dtype, "copy_gbs": copy, "rows": [], "not_run": []}
     sweeps = [("eager", lambda impl: impl != COMPILED), ("compiled", lambda impl: impl == COMPILED)]
-    backend = "aot_eager" if ctx.rehearsal else "inductor"
+    backend = _compile_backend(ctx)
     longest = 0.0
     for sweep, keep in sweeps:
         for op in fused_norms.OPS:
@@ -61,6 +61,12 @@ def _bandwidth(row: dict, copy_gbs: float) -> dict:
         return row
     gbs = row["bytes"] / row["ms"] / 1e6
     return {**row, "gbs": gbs, "of_copy": gbs / copy_gbs}
+
+
+def _compile_backend(ctx: Context) -> str:
+    """inductor on the GPU; aot_eager in the rehearsal (Dynamo's and AOTAutograd's capture
+    without code generation: inductor's CPU C++ is not what a GPU runs)."""
+    return "aot_eager" if ctx.rehearsal else "inductor"
 
 
 def _step_args(sizes: Sizes, layers: int, extra: tuple[str, ...] = ()) -> list[str]:
@@ -173,7 +179,7 @@ def compiled_steps(ctx: Context) -> dict:
     compile seconds (in its warm-up steps). The rehearsal compiles with aot_eager (Dynamo's
     capture, no code generation) and has no CUDA graphs."""
     s = ctx.sizes
-    backend = "aot_eager" if ctx.rehearsal else "inductor"
+    backend = _compile_backend(ctx)
     variants = {"compiled": ("--compile", backend)}
     if not ctx.rehearsal:
         variants["compiled_cuda_graphs"] = ("--compile", backend, "--cuda-graphs")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pretrain.run.lock_file import ATTEMPTS, NOT_WRITTEN, LockFile, holder_line
+from pretrain.run.lock_file import ATTEMPTS, NOT_WRITTEN, READ_INTERVAL_S, LockFile, holder_line
 from runtime.errors import ConfigError
 from runtime.parallel import any_rank
 
@@ -115,12 +115,12 @@ def _open(path: Path) -> tuple[int, bool]:
 
 def _holder_text(fd: int) -> str:
     """What the holder of the flock on ``fd`` wrote. It writes its name right after taking the
-    lock, so a file still empty is read again, 50 ms apart, up to ATTEMPTS times."""
+    lock, so a file still empty is read again, READ_INTERVAL_S apart, up to ATTEMPTS times."""
     for _ in range(ATTEMPTS):
         text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
         if text:
             return text
-        time.sleep(0.05)
+        time.sleep(READ_INTERVAL_S)
     return NOT_WRITTEN
 
 

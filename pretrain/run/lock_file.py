@@ -38,6 +38,7 @@ log = logging.getLogger("pretrain")
 HEARTBEAT_S = 30.0
 STALE_S = 600.0
 ATTEMPTS = 40  # reads of a lock that another start is creating or taking over, 50 ms apart
+READ_INTERVAL_S = 0.05
 NOT_WRITTEN = "a process that has not written its name yet"
 _HOLDER = re.compile(r"host (\S+), pid (\d+), since ")
 _SPACE = re.compile(r"^space (.*)$", re.MULTILINE)
@@ -142,15 +143,15 @@ class LockFile:
             if holder is None:
                 continue  # released as we looked: create again
             gone = holder.stale(self.stale_s)
-            if not gone and holder.text:
-                return holder.describe()
-            if not gone:  # created a moment ago, its name not written yet: read it again
-                time.sleep(0.05)
+            if not gone:
+                if holder.text:
+                    return holder.describe()
+                time.sleep(READ_INTERVAL_S)  # created a moment ago, its name not written yet
                 continue
             if self.take_over(holder):
                 log.info("took over %s from %s: %s", self.path, holder.describe(), gone)
                 return ""
-            time.sleep(0.05)  # another start is taking it over: read what it leaves
+            time.sleep(READ_INTERVAL_S)  # another start is taking it over: read what it leaves
         return holder.describe() if holder else NOT_WRITTEN
 
     def create(self) -> bool:
