@@ -140,6 +140,69 @@ def first_step_text(step_seconds: float) -> str:
     return text
 
 
+class Recompiles:
+    """Compilations after a compiled run's first step, each said once: a validation pass after
+    a resume (gradients off), a new sequence length, a changed guard. Dynamo compiles again
+    silently; :meth:`since` turns what it compiled since the last call into one console line
+    with where it happened, the graphs, the seconds and Dynamo's own reason for the first of
+    them (the first failing guard of its first cache entry: for a block of many entries it
+    can name another entry's guard, so ``where`` says what the run was doing). Totals go into
+    the metrics (:meth:`totals`)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.seconds = 0.0
+        self.armed = False
+
+    def mark(self) -> None:
+        """Count from now: called after the first step, whose compilation (the first
+        validation's included) :func:`first_step_text` reports; nothing is said before."""
+        self.armed = True
+        self._entries = list(torch._dynamo.utils.get_compilation_metrics())
+        self._counts = Counts().start()
+        self._seconds0 = compile_seconds()
+
+    def since(self, where: str) -> str | None:
+        """The line for what compiled since the last call (None: nothing did)."""
+        if not self.armed:
+            return None
+        graphs = self._counts.graphs()
+        if not graphs:
+            return None
+        seconds = compile_seconds() - self._seconds0
+        reasons = [entry.recompile_reason for entry in self._new_entries()
+                   if entry.recompile_reason]
+        self.events += 1
+        self.seconds += seconds
+        self.mark()
+        plural = "" if graphs == 1 else "s"
+        text = f"compiled blocks recompiled ({where}): {graphs} graph{plural}, {seconds:.1f} s"
+        if reasons:
+            text += f"; Dynamo's reason: {_reason(reasons[0])}"
+        return text
+
+    def totals(self) -> dict[str, float]:
+        """What the metrics carry each logged step: recompilations so far and their seconds."""
+        return {"recompiles": self.events, "recompile_s": round(self.seconds, 3)}
+
+    def _new_entries(self) -> list:
+        """Dynamo's compilation records since :meth:`mark` (it keeps the latest few: all of
+        them when the one seen last has dropped out)."""
+        entries = list(torch._dynamo.utils.get_compilation_metrics())
+        last = self._entries[-1] if self._entries else None
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i] is last:
+                return entries[i + 1:]
+        return entries
+
+
+def _reason(text: str) -> str:
+    """Dynamo's reason without its compile-id prefix ("0/3: "), on one line."""
+    first = text.strip().splitlines()[0] if text.strip() else text
+    return first.split(": ", 1)[1].strip() if first[:1].isdigit() and ": " in first \
+        else first.strip()
+
+
 class Counts:
     """Graph breaks and compiled graphs since :meth:`start`, from Dynamo's own counters."""
 

@@ -190,6 +190,11 @@ class SDPAttention(MegatronModule):
     def _document_kernel(self, sq: int) -> str:
         if self.documents is not None:
             return self.documents
+        if torch.compiler.is_compiling():
+            # Inside a compiled block (kernels.compile) the spans of each document are host
+            # values a graph cannot hold: they change every micro-batch. The exact mask is a
+            # few fused elementwise ops there, and the block stays one graph at any length.
+            return DocumentKernel.MASK
         return DocumentKernel.SPLIT if sq >= SPLIT_FROM else DocumentKernel.MASK
 
     def _per_document(self, q, k, v, attention_mask, dropout_p: float, gqa: bool):

@@ -39,17 +39,19 @@ def step_counts(scheme: str, parallel_fields: dict, backend: str = "eager",
 
 
 def loss_and_grads(scheme: str, parallel_fields: dict, backend: str | None, layers: int = 3,
-                   norm_backend: str = "torch") -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and every gradient of one step, eager (``backend`` None) or compiled."""
+                   norm_backend: str = "torch",
+                   seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and every gradient of one step of packed documents of ``seq`` tokens, eager
+    (``backend`` None) or compiled."""
     torch._dynamo.reset()
     par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
     torch.manual_seed(3)
-    chunks = build_model(tiny_model(scheme, num_layers=layers), par, seed=11,
+    chunks = build_model(tiny_model(scheme, num_layers=layers, seq_length=seq), par, seed=11,
                          norm_backend=norm_backend, positions_per_token=True)
     if backend is not None:
         compiled.compile_blocks(chunks, backend)
     ddp = wrap_ddp(chunks, par)
-    losses = forward_backward(ddp, iter(document_batches(2, seed=5)), 2, SEQ, MBS)
+    losses = forward_backward(ddp, iter(document_batches(2, seed=5, seq=seq)), 2, seq, MBS)
     grads = {n: p.main_grad.clone() for c in ddp for n, p in c.module.named_parameters()}
     return [float(x) for x in losses], grads
 

@@ -172,6 +172,7 @@ class Training:
         self.run_dir = Path(config.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.saver = Saver(self.ckpt_root, config.run.keep_last, config.run.async_save)
+        self.recompiles: compiled.Recompiles | None = None  # set by loop() in compiled runs
         self.optimizer, self.scheduler = build_optimizer(config, chunks, params_dtype(config))
         self.parameters = model_parameters(chunks)
         self._resume()
@@ -248,6 +249,8 @@ class Training:
         throughput = Throughput(self.config)
         diag = diagnostics.build(self.config, self.chunks)  # None when off: no hooks at all
         stragglers = Stragglers(self.chunks, r.straggler_ratio, is_logging_rank())
+        # compiled runs: what compiles after the first step is said once, where it happened
+        self.recompiles = compiled.Recompiles() if self.config.kernels.compile else None
         if step == 0 and validates(self.config):
             self.validate(0)
         self.progress.begin()  # after the first validation: the ETA counts training steps only
@@ -257,6 +260,8 @@ class Training:
             status, verdict, lr, grad_norm = self.step(step, diag)
             step += 1
             self.watchdog.step_done(step)
+            if self.recompiles and step > self.begin.position.step + 1:
+                self.say_recompiles(f"step {step}")
             self.saver.poll()  # completes a background save whose write has ended
             if verdict is not Verdict.UPDATE:
                 log.warning("step %d: %s, update skipped", step, self.skip_text(verdict, status,
@@ -269,11 +274,14 @@ class Training:
                           "skipped_steps": self.guard.skipped,
                           "skipped_spikes": self.guard.spikes,
                           **throughput.measure(time.perf_counter() - began)}
+                if self.recompiles:
+                    record.update(self.recompiles.totals())
                 record.update(stragglers.measure(step))  # collective
                 self.metrics.log(record)
             self.progress.step(step, record)
-            if self.config.kernels.compile and step == self.begin.position.step + 1:
+            if self.recompiles and step == self.begin.position.step + 1:
                 self.progress.message(compiled.first_step_text(time.perf_counter() - began))
+                self.recompiles.mark()
             for extra in diag.records(step, status.loss) if diag else ():  # collective
                 self.metrics.log(extra)
             if self.guard.exhausted():
@@ -379,6 +387,7 @@ class Training:
     def validate(self, step: int) -> dict:
         with self.watchdog.long(f"validation at step {step}"):
             result = evaluate_sets(self.config, self.chunks, self.valid_set, self.valid_sets)
+        self.say_recompiles(f"validation at step {step}")
         self.metrics.log({"step": step, **result})
         for name, loss, ppl in per_set(result):
             self.progress.message(f"validation{' ' + name if name else ''} at step {step}: "
@@ -391,10 +400,17 @@ class Training:
         with self.watchdog.long(f"downstream evaluation at step {step}"):
             result = self.downstream.score(self.chunks, self.tokenizer)
         seconds = time.perf_counter() - began
+        self.say_recompiles(f"downstream tasks at step {step}")
         self.metrics.log({"step": step, **result, "downstream_seconds": seconds})
         shown = ", ".join(f"{key.removeprefix('downstream/')} {value:.4f}"
                           for key, value in result.items())
         self.progress.message(f"downstream at step {step}: {shown} ({seconds:.1f} s)")
+
+    def say_recompiles(self, where: str) -> None:
+        """One console line for blocks compiled again since the last look (compiled runs,
+        after the first step: :class:`model.compiled.Recompiles`)."""
+        if self.recompiles is not None and (line := self.recompiles.since(where)):
+            self.progress.message(line)
 
     def save(self, step: int) -> None:
         """A checkpoint after ``step``, refused (the run aborts) when a weight is not finite."""

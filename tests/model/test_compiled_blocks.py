@@ -77,6 +77,19 @@ def test_compiled_matches_eager(single_rank, scheme):
     assert compile_probe.worst_relative(c_grads, grads) <= 1e-5
 
 
+def test_compiled_matches_eager_where_eager_attends_one_document_at_a_time(single_rank):
+    """From SPLIT_FROM tokens on the CPU's eager attention makes one call per document, from
+    spans read on the host, which a compiled graph cannot hold (Dynamo stopped there); inside
+    a compiled block the exact mask computes the same attention."""
+    from model.sdpa_attention import SPLIT_FROM
+
+    losses, grads = compile_probe.loss_and_grads("siamese", {}, None, layers=2, seq=SPLIT_FROM)
+    c_losses, c_grads = compile_probe.loss_and_grads("siamese", {}, "aot_eager", layers=2,
+                                                     seq=SPLIT_FROM)
+    assert c_losses == pytest.approx(losses, rel=1e-5)
+    assert compile_probe.worst_relative(c_grads, grads) <= 1e-5
+
+
 def test_parity_check_catches_a_wrong_compiled_region(single_rank):
     losses, grads = compile_probe.loss_and_grads("siamese", {}, None)
     c_losses, c_grads = compile_probe.loss_and_grads("siamese", {}, _scaled_backend)
@@ -126,6 +139,30 @@ def test_cli_run_compiled_matches_eager(data, tmp_path):
         assert compiled_losses[step] == pytest.approx(loss, rel=1e-5), step
     assert "0 graph breaks" in run.stdout + run.stderr
     assert (tmp_path / "compiled" / "compile_cache").is_dir()
+
+
+def test_cli_says_each_recompile_once_with_where_and_counts_it(data, tmp_path):
+    """A resumed compiled run compiles its training graphs in its first step and its no-grad
+    graphs at its first validation, after that step: one console line says so, where and
+    why, and the metrics carry the count. A run whose validation came first says nothing."""
+    import re
+
+    from tests.pretrain_fixtures import cli, metrics, train_args
+
+    run = tmp_path / "run"
+    common = ["--run.eval_interval=2", "--kernels.compile=true",
+              "--kernels.compile_backend=aot_eager"]
+    first = cli(*train_args(data, run, "--run.steps=3", *common))
+    assert "recompiled" not in first.stdout + first.stderr
+    resumed = cli(*train_args(data, run, "--run.steps=6", *common,
+                              "--optim.override_schedule=true"))
+    said = [line for line in (resumed.stdout + resumed.stderr).splitlines()
+            if "recompiled" in line]
+    assert len(said) == 1, said
+    assert re.fullmatch(r"\[pretrain\] compiled blocks recompiled \(validation at step 4\): "
+                        r"\d+ graphs?, \d+\.\d s; Dynamo's reason: .*grad_mode.*", said[0]), said
+    counted = {r["step"]: r["recompiles"] for r in metrics(run) if "recompiles" in r}
+    assert counted == {1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1}, counted
 
 
 @pytest.mark.parametrize("kernels, message", [
