@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_a
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from model.layers.base import SchemeLayer
-from runtime import cpu_compat, device
+from runtime import cpu_compat, device, flock
 from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
@@ -48,15 +49,39 @@ def blocks(chunks) -> list[torch.nn.Module]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
 
 
-def use_cache(folder: str | os.PathLike) -> Path:
+def use_cache(folder: str | os.PathLike, setting: str = "kernels.compile_cache") -> Path:
     """Inductor's and Triton's on-disk caches (compiled graphs, autograd graphs, kernels) in
     ``folder``, so a restart or resume, on this node or another one sharing the folder,
     loads them instead of compiling again. Set before the first compile: inductor reads the
-    variable each time it looks a cache up."""
+    variable each time it looks a cache up.
+
+    Inductor locks its cache files with flock and falls back only where flock does not exist
+    at all (ENOSYS): on a filesystem that refuses it (Lustre without flock, ENOLCK) the first
+    compiled forward would die. There the cache moves to :func:`local_cache`, said in one line;
+    where that refuses flock too, the run is refused before it starts (``setting`` names the
+    field to change)."""
     path = Path(folder).resolve()
     path.mkdir(parents=True, exist_ok=True)
+    if (err := flock.refusal(path)) is not None:
+        local = local_cache()
+        if flock.refusal(local) is not None:
+            raise ConfigError(f"{setting} ('{path}'): the compile cache needs file locks, and "
+                              f"flock fails there ({err.strerror}) and in '{local}'; set "
+                              f"{setting} to a folder on a filesystem with flock, or "
+                              "kernels.compile=false")
+        log.info("%s: flock is not supported on %s (%s), which inductor's cache needs; "
+                 "compiling with the cache in %s instead", setting, path, err.strerror, local)
+        path = local
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return path
+
+
+def local_cache() -> Path:
+    """The node-local compile cache for a run folder without flock: in the temporary folder
+    (TMPDIR), one per user, shared by that user's runs as inductor's own default is."""
+    path = Path(tempfile.gettempdir()) / f"pretrain-compile-cache-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -359,7 +359,9 @@ class KernelsConfig:
     compile_cache: str = ""
     """With compile: the folder of inductor's and Triton's compiled artifacts, read and
     written by every rank, so a restart or resume reuses them; a folder every node sees lets
-    a multi-node run share them ("": <run.dir>/compile_cache)."""
+    a multi-node run share them ("": <run.dir>/compile_cache). Where its filesystem refuses
+    flock, which inductor's cache locks need, a node-local folder in TMPDIR instead, said at
+    the start (docs/run-folder.md)."""
     cuda_graphs: bool = False
     """With compile and the inductor backend on a CUDA device: capture each compiled block's
     kernels as CUDA graphs (inductor's cudagraph trees, torch.compile's reduce-overhead),

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime import flock
 from runtime.errors import DataError
 
 log = logging.getLogger("pretrain")
@@ -133,9 +134,15 @@ def read(prefix: str) -> dict[str, Any] | None:
 @contextmanager
 def _exclusive(prefix: str):
     """One process at a time scans and records ``prefix`` (a job's ranks start together):
-    a lock on its .idx, which needs no write access and leaves no file behind."""
+    a lock on its .idx, which needs no write access and leaves no file behind. Where the
+    filesystem has no flock the ranks scan without it: each writes the same record, and
+    atomically, so the lock only saves work."""
     with open(prefix + ".idx", "rb") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as err:
+            if not flock.unsupported(err):
+                raise
         yield
 
 

@@ -17,7 +17,6 @@ holder is provably gone (a dead PID on this host, or a heartbeat older than 10 m
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -27,14 +26,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.run.lock_file import ATTEMPTS, NOT_WRITTEN, READ_INTERVAL_S, LockFile, holder_line
+from runtime import flock
 from runtime.errors import ConfigError
 from runtime.parallel import any_rank
 
 log = logging.getLogger("pretrain")
 
 LOCK_FILE = "run.lock"
-# How flock says that this filesystem does not provide it (ENOTSUP is EOPNOTSUPP on Linux).
-FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
 
 class RunLock:
@@ -66,7 +64,7 @@ class RunLock:
                 os.close(fd)
                 return text
             except OSError as err:
-                if err.errno not in FLOCK_UNSUPPORTED:
+                if not flock.unsupported(err):
                     os.close(fd)
                     raise
                 return self._fall_back(fd, created, err)
