@@ -31,6 +31,10 @@ INTERRUPTED = 128 + signal.SIGINT
 """The exit status after Ctrl-C, saved or not."""
 SAME_PRESS_S = 1.0
 """A SIGINT this soon after the first is the same press relayed (torchrun), not a second one."""
+AGAIN_TEXT = (f"Ctrl-C again, {SAME_PRESS_S:g} s or more after this one, exits at once without "
+              f"saving (a press within {SAME_PRESS_S:g} s is taken as this one)")
+"""What the first Ctrl-C's line promises, worded from the rule :meth:`StopRequest._handle`
+applies."""
 
 
 def signal_text(name: str) -> str:
@@ -78,7 +82,7 @@ class StopRequest:
             self._first_interrupt = self._first_interrupt or now
         if self.signal_name is None:
             self.signal_name = name
-            then = ("; Ctrl-C again exits at once without saving" if name == "SIGINT" else "")
+            then = f"; {AGAIN_TEXT}" if name == "SIGINT" else ""
             log.info("received %s: will stop at the next step boundary and save%s",
                      signal_text(name), then)
 

@@ -82,6 +82,30 @@ def test_ctrl_c_under_torchrun_stops_every_rank_after_a_save(data, tmp_path):
     assert "death signal" not in output and "ChildFailedError" not in output, output[-3000:]
 
 
+def test_the_first_ctrl_c_promises_what_a_second_press_does(data, tmp_path):
+    """The first press's line says when a second one exits at once; a press inside that
+    interval is the same press (the run saves and stops), as the line says."""
+    run = tmp_path / "run"
+    log = tmp_path / "train.log"
+    args = train_args(data, run, "--run.steps=100000", "--run.save_interval=0",
+                      "--data.valid_samples=0")
+    proc = in_session([sys.executable, "-m", "pretrain", *args], log)
+    try:
+        wait_for(lambda: proc.poll() is not None or _trained(run, 2), "two steps", 240)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.2)  # well inside the second the line gives
+        os.killpg(proc.pid, signal.SIGINT)
+        code, output = proc.wait(timeout=240), log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert ("received Ctrl-C (SIGINT): will stop at the next step boundary and save; Ctrl-C "
+            "again, 1 s or more after this one, exits at once without saving (a press within "
+            "1 s is taken as this one)") in output, output[-2000:]
+    _assert_stopped_once(code, output, run)
+    assert "interrupted again" not in output
+
+
 def test_a_second_ctrl_c_exits_at_once_without_a_traceback(data, tmp_path):
     """The second press (a second after the first) during start-up: no waiting for the
     start-up's next boundary, one line, nothing written."""
