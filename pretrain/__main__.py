@@ -56,19 +56,21 @@ def _config_may_be_wrong(args, err: UserError) -> bool:
 
 
 def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
+    from pretrain.data.documents import Reading
+
     if args.command == "train-tokenizer":
         from pretrain.data.tokenizer import train_tokenizer
 
         path = train_tokenizer(args.inputs, args.output, args.vocab_size, args.model_type,
-                               args.text_field)
+                               Reading(args.text_field, args.plain_text))
         print(path)
         return 0
     if args.command == "prepare-data":
         from pretrain.data.shards import prepare_command
 
         print(json.dumps(prepare_command(args.inputs, args.tokenizer, args.output, args.workers,
-                                         args.text_field, args.shards, args.shard,
-                                         args.blend)))
+                                         Reading(args.text_field, args.plain_text),
+                                         args.shards, args.shard, args.blend)))
         return 0
     if args.command == "explain":  # reads the config classes only
         from pretrain.report.config_reference import explain

@@ -28,7 +28,7 @@ Without --config, train, eval and generate use the config.toml of the run folder
 # read a checkpoint, take config overrides
 CHECKPOINT_COMMANDS = ("eval", "generate", "export-hf", "lm-eval")
 INPUTS_HELP = (".jsonl/.json[.gz] (one document per line), .parquet, .arrow, a datasets "
-               "save_to_disk folder, or text[.gz] (paragraph = document)")
+               "save_to_disk folder, or plain text[.gz] (see --plain-text)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
     for command in (t, d):
         command.add_argument("--text-field", default="text",
                              help="the text field (JSON lines) or column (tables) to read")
+        command.add_argument("--plain-text", default="auto",  # checked by data.documents
+                             help="how a plain-text file becomes documents: auto (the default): "
+                                  ".txt/.text files at blank lines, any other (source code) "
+                                  "whole; file: each file whole; paragraphs: at blank lines")
 
     for name, text in (("train", "train (resumes from the run folder's latest checkpoint)"),
                        ("eval", "validation loss and perplexity of a checkpoint"),

@@ -9,7 +9,11 @@ An input is one of:
   at a time;
 - a folder written by ``datasets``' ``save_to_disk`` (one split): its column ``text_field``,
   through ``datasets.load_from_disk``, which memory-maps the Arrow files;
-- any other file (optionally ``.gz``): plain text, blank-line-separated paragraphs.
+- any other file (optionally ``.gz``): plain text. A ``.txt`` (or ``.text``) file is cut at
+  blank lines, one document per paragraph (a book, a text dump); any other plain-text file
+  (source code, markup) is one document, since a blank line inside a function or a section
+  ends nothing. ``--plain-text file`` or ``paragraphs`` chooses for every plain-text input
+  (:class:`Reading`), and the summary of ``prepare-data`` counts the files read each way.
 
 An uncompressed JSON-lines file can also be read in part, a :class:`Span` of its bytes cut at
 line starts: how ``prepare-data --shards`` divides one large file among its shards.
@@ -27,6 +31,7 @@ import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +50,62 @@ class Span(NamedTuple):
     path: str
     begin: int
     end: int
+
+
+class PlainText(StrEnum):
+    """How a plain-text input becomes documents (``--plain-text``)."""
+
+    AUTO = "auto"  # paragraphs for .txt/.text, the whole file otherwise
+    FILE = "file"  # the whole file is one document
+    PARAGRAPHS = "paragraphs"  # cut at blank lines
+
+
+# Plain-text suffixes whose files are cut at blank lines by default (under a .gz too).
+PARAGRAPH_SUFFIXES = (".txt", ".text")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How the inputs are read: the text field or column of structured inputs, and how a
+    plain-text file is cut (module docstring)."""
+
+    text_field: str = "text"
+    plain_text: PlainText = PlainText.AUTO
+
+    def __post_init__(self) -> None:
+        if self.plain_text not in tuple(PlainText):
+            raise DataError(f"--plain-text ({self.plain_text!r}) must be one of: "
+                            f"{', '.join(PlainText)}")
+        object.__setattr__(self, "plain_text", PlainText(self.plain_text))
+
+    def cut(self, file: Path) -> PlainText:
+        """FILE or PARAGRAPHS for the plain-text ``file``."""
+        if self.plain_text is not PlainText.AUTO:
+            return self.plain_text
+        return PlainText.PARAGRAPHS if _base_suffix(file) in PARAGRAPH_SUFFIXES \
+            else PlainText.FILE
+
+
+BY_DEFAULT = Reading()
+"""The text field "text", plain text cut by suffix: what the commands read without options."""
+
+
+def plain_text_counts(inputs: list, reading: Reading) -> dict[str, int]:
+    """How many plain-text inputs were read whole and how many cut at blank lines, for the
+    summary of ``prepare-data`` (empty when no input is plain text)."""
+    counts = {"one_document_each": 0, "cut_at_blank_lines": 0}
+    for path in inputs:
+        file = Path(path.path if isinstance(path, Span) else path)
+        if _is_plain_text(file):
+            key = "cut_at_blank_lines" if reading.cut(file) is PlainText.PARAGRAPHS \
+                else "one_document_each"
+            counts[key] += 1
+    return counts if any(counts.values()) else {}
+
+
+def _is_plain_text(file: Path) -> bool:
+    return not file.is_dir() and _base_suffix(file) not in JSON_SUFFIXES \
+        and file.suffix.lower() not in TABLE_SUFFIXES
 
 
 @dataclass
@@ -132,8 +193,12 @@ def _json_documents(path: str, file: Path, field: str,
             record = None
         text = record.get(field) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise DataError(f"data file '{path}' line {_line_number(file, span, number)} is "
-                            f"not a JSON object with a string \"{field}\" field")
+            where = f"data file '{path}' line {_line_number(file, span, number)}"
+            if isinstance(record, dict) and field not in record:
+                keys = ", ".join(f'"{k}"' for k in list(record)[:8])
+                raise DataError(f"{where} has no \"{field}\" field (its keys: {keys}); "
+                                "--text-field names the field that holds the text")
+            raise DataError(f"{where} is not a JSON object with a string \"{field}\" field")
         yield text
 
 
@@ -147,6 +212,11 @@ def _paragraphs(path: str, file: Path, _field: str) -> Iterator[str]:
             paragraph = []
     if paragraph:
         yield "".join(paragraph).rstrip("\r\n")
+
+
+def _whole_file(path: str, file: Path, _field: str) -> Iterator[str]:
+    """The file's text, unchanged, as one document."""
+    yield "".join(line for _, line in _lines(path, file))
 
 
 def _text_column(path: str, schema, field: str) -> None:
@@ -230,15 +300,15 @@ def _saved_dataset_documents(path: str, folder: Path, field: str) -> Iterator[st
     yield from _column_texts(path, (batch[field] for batch in batches), field)
 
 
-def check_input(path: str | Span, text_field: str = "text") -> None:
+def check_input(path: str | Span, reading: Reading = BY_DEFAULT) -> None:
     """Read the first document of ``path``, so a missing file, a wrong format, field or column
     fails in one line before any work starts (and before a progress bar is drawn)."""
-    documents = iter_documents(path, text_field)
+    documents = iter_documents(path, reading)
     next(documents)
     documents.close()
 
 
-def iter_documents(path: str | Span, text_field: str = "text",
+def iter_documents(path: str | Span, reading: Reading = BY_DEFAULT,
                    skipped: Skipped | None = None) -> Iterator[str]:
     """Documents of ``path`` (see the module docstring for the formats), or of a :class:`Span`
     of one, in order; the empty ones are left out and counted in ``skipped``."""
@@ -251,10 +321,12 @@ def iter_documents(path: str | Span, text_field: str = "text",
         reader = _json_documents
     elif source.suffix.lower() in TABLE_SUFFIXES:
         reader = _table_documents
-    else:
+    elif reading.cut(source) is PlainText.PARAGRAPHS:
         reader = _paragraphs
-    documents = (_json_documents(path, source, text_field, span) if span
-                 else reader(path, source, text_field))
+    else:
+        reader = _whole_file
+    documents = (_json_documents(path, source, reading.text_field, span) if span
+                 else reader(path, source, reading.text_field))
     count = 0
     for document in documents:
         if document:

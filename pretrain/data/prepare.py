@@ -32,7 +32,15 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
 from pretrain.data import record
-from pretrain.data.documents import Skipped, Span, check_input, iter_documents
+from pretrain.data.documents import (
+    BY_DEFAULT,
+    Reading,
+    Skipped,
+    Span,
+    check_input,
+    iter_documents,
+    plain_text_counts,
+)
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.paths import require_creatable
 from runtime.errors import ConfigError
@@ -69,18 +77,18 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode_chunk(_worker_tokenizer, texts)
 
 
-def _chunks(inputs: list[str | Span], text_field: str,
+def _chunks(inputs: list[str | Span], reading: Reading,
             skipped: Skipped) -> Iterator[list[str]]:
-    documents = (doc for path in inputs for doc in iter_documents(path, text_field, skipped))
+    documents = (doc for path in inputs for doc in iter_documents(path, reading, skipped))
     while chunk := list(islice(documents, CHUNK_DOCUMENTS)):
         yield chunk
 
 
-def _encoded(inputs: list[str | Span], tokenizer: Tokenizer, workers: int, text_field: str,
+def _encoded(inputs: list[str | Span], tokenizer: Tokenizer, workers: int, reading: Reading,
              skipped: Skipped) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Encoded chunks in input order. Pool.imap would read the whole input ahead of the
     workers, so chunks are submitted by hand, at most two per worker ahead of the writer."""
-    chunks = _chunks(inputs, text_field, skipped)  # read here: ``skipped`` counts in this process
+    chunks = _chunks(inputs, reading, skipped)  # read here: ``skipped`` counts in this process
     if workers == 1:
         yield from (_encode_chunk(tokenizer, chunk) for chunk in chunks)
         return
@@ -125,11 +133,13 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> Written:
 
 
 def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: str,
-                 workers: int = 1, text_field: str = "text") -> dict:
+                 workers: int = 1, reading: Reading = BY_DEFAULT) -> dict:
     """Tokenise the documents of ``inputs`` (in order; any format of ``pretrain.data.documents``,
-    or a Span of a JSON-lines file; text read from ``text_field``) into ``output_prefix``.bin/.idx.
+    or a Span of a JSON-lines file; read as ``reading`` says) into ``output_prefix``.bin/.idx.
 
-    Returns {"documents", "tokens" (EOD included), "dtype", "prefix", "empty_skipped"}.
+    Returns {"documents", "tokens" (EOD included), "dtype", "prefix", "empty_skipped"}, and
+    "plain_text" (how many plain-text files were read whole, how many cut at blank lines)
+    when an input is plain text.
     """
     require_creatable(output_prefix, "prepare-data --output", folder=False)
     bin_path, idx_path = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
@@ -141,7 +151,7 @@ def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: 
     if not inputs:
         raise ConfigError("prepare-data needs at least one data file")
     for path in inputs:
-        check_input(path, text_field)
+        check_input(path, reading)
     tokenizer = open_tokenizer(tokenizer_model)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +161,7 @@ def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: 
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
         # closed on any exit, Ctrl-C included: the pool is terminated before the error line,
         # not at interpreter shutdown, where its threads print errors of their own
-        with contextlib.closing(_encoded(inputs, tokenizer, workers, text_field,
+        with contextlib.closing(_encoded(inputs, tokenizer, workers, reading,
                                          skipped)) as chunks:
             written = _write(builder, chunks)
         builder.finalize(str(tmp_idx))
@@ -165,6 +175,7 @@ def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: 
         tmp_idx.unlink(missing_ok=True)
     made = record.make(output_prefix, written.tokens, written.documents, written.ids, tokenizer)
     record.write(output_prefix, {**made, "empty_skipped": skipped.empty})
+    plain = plain_text_counts(inputs, reading)
     return {"documents": written.documents, "tokens": written.tokens,
             "dtype": np.dtype(dtype).name, "prefix": output_prefix,
-            "empty_skipped": skipped.empty}
+            "empty_skipped": skipped.empty, **({"plain_text": plain} if plain else {})}

@@ -27,7 +27,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from pretrain.data import record
-from pretrain.data.documents import Span, can_cut, require_data_input
+from pretrain.data.documents import BY_DEFAULT, Reading, Span, can_cut, require_data_input
 from pretrain.data.prepare import prepare_data
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.paths import require_creatable
@@ -139,7 +139,7 @@ def _done(prefix: str) -> bool:
 
 
 def prepare_shard(inputs: list[str], tokenizer_model: str, output_prefix: str, shards: int,
-                  index: int, workers: int = 1, text_field: str = "text") -> dict:
+                  index: int, workers: int = 1, reading: Reading = BY_DEFAULT) -> dict:
     """Prepare shard ``index`` of ``shards`` (skipped if complete)."""
     if not 0 <= index < shards:
         raise ConfigError(f"prepare-data --shard ({index}) must be between 0 and --shards - 1 "
@@ -151,11 +151,12 @@ def prepare_shard(inputs: list[str], tokenizer_model: str, output_prefix: str, s
     for suffix in (".bin", ".idx"):  # a shard killed after its rename, before its record
         Path(prefix + suffix).unlink(missing_ok=True)
     return {"shard": index, **prepare_data(groups[index], tokenizer_model, prefix, workers,
-                                           text_field)}
+                                           reading)}
 
 
 def prepare_sharded(inputs: list[str], tokenizer_model: str, output_prefix: str, shards: int,
-                    workers: int = 1, text_field: str = "text", blend: bool = False) -> dict:
+                    workers: int = 1, reading: Reading = BY_DEFAULT,
+                    blend: bool = False) -> dict:
     """Every shard not yet complete, then the merge (or, ``blend``, the blend's summary)."""
     require_creatable(output_prefix, "prepare-data --output", folder=False)
     final = [Path(f"{output_prefix}{s}") for s in (".bin", ".idx")]
@@ -164,7 +165,7 @@ def prepare_sharded(inputs: list[str], tokenizer_model: str, output_prefix: str,
                           "exists; choose another --output")
     for index in range(shards):
         prepare_shard(inputs, tokenizer_model, output_prefix, shards, index, workers,
-                      text_field)
+                      reading)
     prefixes = [shard_prefix(output_prefix, k) for k in range(shards)]
     if blend:
         records = [record.read(p) for p in prefixes]
@@ -218,7 +219,7 @@ def merge(prefixes: list[str], output_prefix: str, tokenizer_model: str) -> dict
 
 
 def prepare_command(inputs: list[str], tokenizer_model: str, output_prefix: str, workers: int,
-                    text_field: str, shards: int | None, shard: int | None,
+                    reading: Reading, shards: int | None, shard: int | None,
                     blend: bool) -> dict:
     """``prepare-data``: one process (no ``--shards``), one shard (``--shard``), or every
     shard still to do and then the merge or the blend."""
@@ -226,9 +227,9 @@ def prepare_command(inputs: list[str], tokenizer_model: str, output_prefix: str,
     if shards is None:
         if shard is not None or blend:
             raise ConfigError("prepare-data --shard and --blend need --shards")
-        return prepare_data(inputs, tokenizer_model, output_prefix, workers, text_field)
+        return prepare_data(inputs, tokenizer_model, output_prefix, workers, reading)
     if shard is not None:
         return prepare_shard(inputs, tokenizer_model, output_prefix, shards, shard, workers,
-                             text_field)
+                             reading)
     return prepare_sharded(inputs, tokenizer_model, output_prefix, shards, workers,
-                           text_field, blend)
+                           reading, blend)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from pretrain.data.documents import check_input, iter_documents
+from pretrain.data.documents import BY_DEFAULT, Reading, check_input, iter_documents
 from pretrain.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer
 from pretrain.paths import require_creatable, require_file
 from runtime.errors import ConfigError, DataError
@@ -83,7 +83,7 @@ def _require_new(*paths: Path) -> None:
 
 
 def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
-                    model_type: str = "bpe", text_field: str = "text") -> str:
+                    model_type: str = "bpe", reading: Reading = BY_DEFAULT) -> str:
     """Train a BPE or unigram model on the documents of ``inputs``; returns the .model path.
 
     Writes ``<output_prefix>.model`` and ``.vocab`` under temporary names first and refuses to
@@ -102,7 +102,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
     if not inputs:
         raise ConfigError("train-tokenizer needs at least one data file")
     for path in inputs:
-        check_input(path, text_field)
+        check_input(path, reading)
     failures: list[BaseException] = []
 
     def sentences() -> Iterator[str]:
@@ -110,7 +110,7 @@ def train_tokenizer(inputs: list[str], output_prefix: str, vocab_size: int,
         # original (e.g. a DataError naming a bad JSONL line) to re-raise it unchanged.
         try:
             for path in inputs:
-                for document in iter_documents(path, text_field):
+                for document in iter_documents(path, reading):
                     yield from _training_sentences(document)
         except BaseException as err:
             failures.append(err)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pretrain.data.documents import iter_documents
+from pretrain.data.documents import Reading, iter_documents
 from pretrain.data.prepare import prepare_data
 from runtime.errors import DataError
 from tests.pretrain_fixtures import cli
@@ -43,7 +43,7 @@ def inputs(texts, tmp_path_factory):
 
 
 def prepared(source, tokenizer: str, out) -> tuple[bytes, bytes]:
-    prepare_data([str(source)], tokenizer, str(out), text_field=FIELD)
+    prepare_data([str(source)], tokenizer, str(out), reading=Reading(text_field=FIELD))
     return out.with_suffix(".bin").read_bytes(), out.with_suffix(".idx").read_bytes()
 
 
@@ -57,7 +57,7 @@ def test_same_bytes_as_jsonl(data, inputs, tmp_path, name):
 
 def test_documents_in_order(inputs, texts):
     for name in ("docs.parquet", "docs.arrow", "saved", "docs.jsonl.gz"):
-        assert list(iter_documents(str(inputs / name), FIELD)) == texts, name
+        assert list(iter_documents(str(inputs / name), Reading(FIELD))) == texts, name
 
 
 @pytest.mark.parametrize("name,field,words", [
@@ -65,12 +65,13 @@ def test_documents_in_order(inputs, texts):
     ("docs.arrow", "id", ["column 'id'", "holds int64, not text"]),
     ("saved", "id", ["column 'id'", "not text"]),
     ("dict", FIELD, ["holds the splits train, test", "dict/train"]),
-    ("docs.jsonl.gz", "text", ["line 1 is not a JSON object with a string \"text\" field"]),
+    ("docs.jsonl.gz", "text", [f"line 1 has no \"text\" field (its keys: \"id\", \"{FIELD}\")",
+                               "--text-field names the field that holds the text"]),
 ])
 def test_bad_input_is_refused_before_any_work(data, inputs, tmp_path, name, field, words):
     with pytest.raises(DataError) as err:
         prepare_data([str(inputs / name)], data["tokenizer"], str(tmp_path / "out"),
-                     text_field=field)
+                     reading=Reading(text_field=field))
     assert all(w in str(err.value) for w in words), err.value
     assert not list(tmp_path.iterdir())  # nothing written
 

@@ -254,7 +254,8 @@ def test_bad_inputs(tmp_path, tokenizers):
     _raises(f"data file '{blank}' has no documents", prepare_data, [str(blank)], model, prefix)
     jsonl = tmp_path / "bad.jsonl"
     jsonl.write_text('{"text": "fine"}\n{"title": "no text"}\n')
-    expected = f"data file '{jsonl}' line 2 is not a JSON object with a string \"text\" field"
+    expected = (f"data file '{jsonl}' line 2 has no \"text\" field (its keys: \"title\"); "
+                "--text-field names the field that holds the text")
     _raises(expected, prepare_data, [str(jsonl)], model, prefix)
     _raises(expected, train_tokenizer, [str(jsonl)], prefix, VOCAB)  # raised inside spm
     binary = tmp_path / "latin1.txt"
