@@ -115,6 +115,8 @@ _SCHEDULE_FIELDS = {
     "lr_wsd_decay_style": "optim.wsd_decay_shape", "lr_decay_steps": "run.steps",
     "start_wd": "optim.weight_decay",
 }
+SCHEDULE_SETTINGS = frozenset(_SCHEDULE_FIELDS.values())
+"""The config fields that set the learning-rate and weight-decay schedule."""
 _CONFIG_VALUE = {"lr_decay_style": {v: k.value for k, v in _DECAY_STYLES.items()},
                  "wsd_decay_steps": {None: 0}}
 

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from pretrain.config import Config, changed_settings
 from pretrain.data.position import START, DataPosition
 from pretrain.hf import llama as hf_llama
+from pretrain.optim import SCHEDULE_SETTINGS
 from pretrain.run import checkpoint, identity
 from runtime.errors import CheckpointError, ConfigError
 
@@ -90,4 +91,23 @@ def check_start(config: Config, config_path: str | None) -> StartPoint:
     position = checkpoint.position(record, d.global_batch_size, config.seq_length)
     changes = changed_settings(record["settings"], config.to_dict()) \
         if "settings" in record else {}
+    _check_schedule(changes, config, run_dir, position.step)
     return StartPoint(previous, record, position, None, current, changes)
+
+
+def _check_schedule(changes: dict, config: Config, run_dir: Path, step: int) -> None:
+    """A start whose schedule differs from the checkpoint's is refused unless
+    optim.override_schedule says to follow the new one. The refusal says first that the
+    folder holds a run this start would resume: the usual cause is a new run pointed at an
+    old run's folder, where taking the override would silently extend that run. (A
+    checkpoint without recorded settings is checked when its schedule loads:
+    ``pretrain.optim.check_schedule``.)"""
+    if config.optim.override_schedule:
+        return
+    differ = {k: v for k, v in changes.items() if k in SCHEDULE_SETTINGS}
+    if differ:
+        shown = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in differ.items())
+        raise ConfigError(
+            f"run.dir '{run_dir}' holds a run at step {step} that this start would resume, "
+            f"with another schedule ({shown}); for a new run choose another --run.dir, or "
+            "set --optim.override_schedule=true to continue that run on the new schedule")

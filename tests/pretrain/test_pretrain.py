@@ -221,8 +221,10 @@ def test_a_new_peak_lr_on_resume_follows_the_new_schedule(data, tmp_path, distri
     if distributed:  # the refusal's advice is the same for both
         refused = cli(*lowered, check=False)
         assert refused.returncode == 2
-        assert "set --optim.override_schedule=true to resume on the new schedule" \
-            in refused.stderr
+        assert (f"run.dir '{run}' holds a run at step {steps} that this start would resume, "
+                "with another schedule (optim.lr 0.003 -> 0.001, run.steps 3 -> 5); for a "
+                "new run choose another --run.dir, or set --optim.override_schedule=true to "
+                "continue that run on the new schedule") in refused.stderr
     done = cli(*lowered, "--optim.override_schedule=true")
     assert f"resumed with optim.lr = 0.001 (was 0.003 until step {steps})" in done.stderr
     lrs = {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
@@ -230,6 +232,29 @@ def test_a_new_peak_lr_on_resume_follows_the_new_schedule(data, tmp_path, distri
     progress = (steps - warmup) / (steps + 2 - warmup)
     expected = low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
     assert lrs[steps + 1] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_new_run_in_another_runs_folder_hears_that_first_and_the_advice_works(data,
+                                                                                tmp_path):
+    """A user's new run pointed at an old run's folder with other schedule settings: the
+    refusal says the folder holds a run it would resume before it offers the override; the
+    first advice (another --run.dir) starts a new run, with nothing of the old one touched."""
+    old = tmp_path / "old"
+    cli(*train_args(data, old, "--run.steps=3", "--data.valid_samples=0"))
+    before = sorted(p.name for p in (old / "checkpoints").iterdir())
+    mine = ["--run.steps=4", "--optim.lr=1e-3", "--data.valid_samples=0"]
+    refused = cli(*train_args(data, old, *mine), check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"error: run.dir '{old}' holds a run at step 3 that this start would resume, with "
+        "another schedule (optim.lr 0.003 -> 0.001, run.steps 3 -> 4); for a new run choose "
+        "another --run.dir, or set --optim.override_schedule=true to continue that run on "
+        "the new schedule")
+    assert sorted(p.name for p in (old / "checkpoints").iterdir()) == before
+    new = tmp_path / "new"
+    done = cli(*train_args(data, old, *mine), f"--run.dir={new}")
+    assert f"run folder: {new}; starting at step 0" in done.stderr
+    assert sorted(train_losses(new)) == [1, 2, 3, 4]
 
 
 def test_extending_a_finished_run_needs_and_follows_the_new_schedule(data, reference, tmp_path):
@@ -240,7 +265,7 @@ def test_extending_a_finished_run_needs_and_follows_the_new_schedule(data, refer
     longer = train_args(data, run, f"--run.steps={STEPS + 4}", "--data.valid_samples=0")
     refused = cli(*longer, check=False)
     assert refused.returncode == 2
-    assert f"run.steps ({STEPS + 4}) differs from the checkpoint's ({STEPS})" in refused.stderr
+    assert f"with another schedule (run.steps {STEPS} -> {STEPS + 4})" in refused.stderr
     cli(*longer, "--optim.override_schedule=true")
     lrs = {r["step"]: r["lr"] for r in metrics(run) if "lr" in r}
     assert sorted(lrs)[-4:] == list(range(STEPS + 1, STEPS + 5))
