@@ -21,6 +21,7 @@ from pretrain.run.stop import INTERRUPTED, StopRequest
 _EARLY_STOP = StopRequest.install() if sys.argv[1:2] == ["train"] else None
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 
 from pretrain import arguments  # noqa: E402
@@ -92,8 +93,17 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
     # the launch's world size, for the commands that build process groups (the dry run asks
     # about its own; the unsharded commands run one process)
     launched = args.command in ("train", "eval") and not planning
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    # eval reads a checkpoint of any layout: the run's own unless the command names one
+    refit = args.command == "eval" and not any(o.startswith("--parallel.") for o in overrides)
     config = load_config(path, overrides, training=args.command == "train",
-                         world_size=int(os.environ.get("WORLD_SIZE", 1)) if launched else None)
+                         world_size=world if launched and not refit else None)
+    if refit:
+        from pretrain.config import fit_layout
+
+        config, note = fit_layout(config, world)
+        if note and launch_rank() == 0:
+            logging.getLogger("pretrain").info(note)
     if planning:
         from pretrain.report.dry_run import dry_run
         from pretrain.train.loop import check_before_start

@@ -620,6 +620,24 @@ def load_config(path: str | None, overrides: list[str] = (), training: bool = Tr
     return config
 
 
+def fit_layout(config: Config, world_size: int) -> tuple[Config, str | None]:
+    """The layout an evaluation of ``config``'s checkpoint runs on with ``world_size``
+    processes: its own when tensor x pipeline parallelism divides the world, else one model
+    per process (TP = PP = 1, data parallel over all), with the line that says so. A
+    checkpoint reshards on load, so every layout reads every checkpoint; only the
+    checkpoint's own layout does not fit fewer processes. Validated for ``world_size``."""
+    p = config.parallel
+    note = None
+    if world_size % (p.tp * p.pp):
+        note = (f"the checkpoint's layout (parallel.tp {p.tp} x parallel.pp {p.pp}) does not "
+                f"fit {world_size} process{'es' if world_size > 1 else ''}: evaluating with "
+                "parallel.tp 1 and parallel.pp 1 (checkpoints reshard on load)")
+        config = dataclasses.replace(config, parallel=dataclasses.replace(
+            p, tp=1, pp=1, vp=None, sequence_parallel=False))
+    validate(config, world_size=world_size, training=False)
+    return config, note
+
+
 FP32_MAX = 3.4028234663852886e38
 
 

@@ -156,6 +156,22 @@ def test_tp2_pp2_match_single_process_and_checkpoints_reshard(data, reference, t
             assert resumed[step] == pytest.approx(tp2[step], rel=1e-5), (name, step)
 
 
+@pytest.mark.parametrize("layout", ["--parallel.tp=2", "--parallel.pp=2"])
+def test_eval_reads_a_checkpoint_of_any_layout_in_one_process(data, tmp_path, layout):
+    """A checkpoint trained on two ranks is evaluated in one process with no layout flag:
+    the checkpoint's layout does not fit one process, so eval says it runs on TP = PP = 1,
+    and gives the run's own last validation loss."""
+    run = tmp_path / "run"
+    cli(*train_args(data, run, "--run.steps=3", layout), nproc=2)
+    done = cli("eval", "--checkpoint", str(run / "checkpoints"))
+    tp, pp = (2, 1) if "tp" in layout else (1, 2)
+    assert (f"the checkpoint's layout (parallel.tp {tp} x parallel.pp {pp}) does not fit 1 "
+            "process: evaluating with parallel.tp 1 and parallel.pp 1 (checkpoints reshard "
+            "on load)") in done.stderr, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["val_loss"] == pytest.approx(val_losses(run)[-1], rel=1e-5)
+
+
 def test_wandb_offline_run_holds_metrics_and_resume_continues_it(data, tmp_path):
     run = tmp_path / "run"
     base = ["--logging.wandb_mode=offline", "--run.eval_interval=100"]
