@@ -15,7 +15,9 @@ KV cache and without (the model re-reading the whole prefix every step):
   weight when the folder is loaded in bf16;
 - ``tokenizer``: where the folder has a tokenizer.json, the ids of :data:`TEXT` by
   ``AutoTokenizer`` (with ``trust_remote_code=True``, as the folder's README says) and by
-  ``PreTrainedTokenizerFast`` (no remote code at all), and their classes;
+  ``PreTrainedTokenizerFast`` (no remote code at all), and their classes; the ids of
+  :data:`PROMPT` + :data:`CONTINUATION`, and the continuation decoded by the line of the
+  folder's README.md that says how (run as written) and as a slice alone;
 
 which modules of this project got imported (there must be none), and every warning
 transformers logged (``warnings``).
@@ -34,7 +36,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 PAD = 3
-TEXT = "In the beginning God created the heaven and the earth.\n  Two spaces."
+TEXT = ("In the beginning God created the heaven and the earth.\n  Two spaces. The special "
+        "pieces' spellings are text: <s> </s> <unk> <pad>.")
+# A prompt and the continuation a model would add, which starts with spaces (an indented line):
+# decoded as the folder's README says (the whole, less the decoded prompt) and, for contrast,
+# as the slice alone, which loses the space its first piece starts with.
+PROMPT, CONTINUATION = "def f(n):\n", "    return n + 1\n"
 
 
 def isolated(python: str, args: list[str], workdir: Path, **env) -> subprocess.CompletedProcess:
@@ -107,8 +114,17 @@ def _tokenizer(folder: str) -> dict | None:
         return None
     auto = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     fast = PreTrainedTokenizerFast.from_pretrained(folder)
+    ids = fast(PROMPT + CONTINUATION)["input_ids"]
+    cut = len(fast(PROMPT)["input_ids"])
+    # the folder's README's own line for the text a model added after n prompt tokens
+    advice = next(line for line in (Path(folder) / "README.md").read_text().splitlines()
+                  if line.startswith("added = "))
+    scope = {"tokenizer": fast, "out": torch.tensor([ids]), "n": cut}
+    exec(advice, scope)
     return {"auto": auto(TEXT)["input_ids"], "fast": fast(TEXT)["input_ids"],
-            "classes": [type(auto).__name__, type(fast).__name__]}
+            "classes": [type(auto).__name__, type(fast).__name__],
+            "continuation": scope["added"], "slice": fast.decode(ids[cut:]), "cut": cut,
+            "ids": ids}
 
 
 class _Collected(logging.Handler):

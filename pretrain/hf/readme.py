@@ -57,6 +57,22 @@ def readme(scheme: str, llama: bool, files: set[str]) -> str:
                 "```",
                 "",
             ]
+        lines += [
+            "To decode what the model adds after a prompt of `n` tokens, decode the whole "
+            "sequence and cut off the decoded prompt: decoding the slice `out[0, n:]` alone "
+            "can differ (a tokenizer converted from sentencepiece drops the space the "
+            "slice's first piece starts with, sentencepiece's rule for the start of a text). "
+            "The special tokens' spellings (`<s>`, `</s>`, ...) in text are text, as in "
+            "training.",
+            "",
+            "```python",
+            'ids = tokenizer("def f(n):\\n", return_tensors="pt").input_ids',
+            "out = model.generate(ids, max_new_tokens=32, do_sample=False)",
+            "n = ids.shape[1]",
+            "added = tokenizer.decode(out[0])[len(tokenizer.decode(out[0, :n])):]",
+            "```",
+            "",
+        ]
     else:
         lines += ["```", "",
                   "The tokenizer is `tokenizer.model`, a sentencepiece model (not converted to "

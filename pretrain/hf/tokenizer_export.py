@@ -31,6 +31,7 @@ PROBE = (
     "   leading spaces, trailing spaces   \n"
     "Punctuation!? (brackets) [square] {curly} <angle> \"quotes\" 'single' -- dashes -- ...\n"
     "In the beginning God created the heaven and the earth.\n"
+    "Special pieces' spellings are text: <s> </s> <unk> <pad> <s></s>.\n"
 )
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # sentencepiece's ModelProto piece types
@@ -75,6 +76,8 @@ def tokenizer_config(tokenizer: Tokenizer) -> dict:
         "pad_token": _piece(tokenizer, tokenizer.pad),
         "add_bos_token": False, "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
+        # the special tokens' spellings in text are text, as sentencepiece reads them
+        "split_special_tokens": True,
     }
 
 
@@ -103,7 +106,7 @@ def convert(path: str):
     """(``tokenizers.Tokenizer`` equal to the sentencepiece model at ``path``, None), or
     (None, why not)."""
     import sentencepiece as spm
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers
+    from tokenizers import Regex, decoders, models, normalizers
     from tokenizers import Tokenizer as Backend
 
     proto = _proto(path)
@@ -131,8 +134,9 @@ def convert(path: str):
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []))
-    backend.add_special_tokens([AddedToken(piece, special=True, normalized=False)
-                                for piece, _, kind in pieces if kind in (_CONTROL, _UNKNOWN)])
+    # sentencepiece never reads a control piece's spelling ("<s>") in text as that piece;
+    # an added token would be matched in text before the model sees it, so none is added
+    # (the special tokens are named in tokenizer_config.json, with split_special_tokens).
     processor = spm.SentencePieceProcessor(model_file=path)
     for line in PROBE.splitlines(keepends=True) + [PROBE]:
         want, got = processor.encode(line), backend.encode(line, add_special_tokens=False).ids

@@ -67,7 +67,8 @@ def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tm
 
 def test_the_exported_tokenizer_reproduces_sentencepiece(trained_run, data, tmp_path):
     """tokenizer.json, read by the tokenizers library alone, gives the sentencepiece ids of the
-    whole training corpus and decodes back to the same text."""
+    whole training corpus, and of the special pieces' spellings written in text, and decodes
+    back to the same text."""
     from tokenizers import Tokenizer as Backend
 
     out = tmp_path / "hf"
@@ -75,7 +76,8 @@ def test_the_exported_tokenizer_reproduces_sentencepiece(trained_run, data, tmp_
     exported = Backend.from_file(str(out / "tokenizer.json"))
     processor = spm.SentencePieceProcessor(model_file=data["tokenizer"])
     documents = [json.loads(line)["text"] for line in open(data["corpus"], encoding="utf-8")]
-    text = "\n".join(documents)
+    # every special piece's spelling, which sentencepiece reads as text
+    text = "\n".join(documents) + "\n<s> </s> <unk> <pad><s></s>"
     ids = processor.encode(text)
     assert exported.encode(text, add_special_tokens=False).ids == ids
     assert exported.decode(ids, skip_special_tokens=False) == processor.decode(ids) == text

@@ -197,6 +197,26 @@ def test_the_exported_tokenizer_loads_as_the_readme_says(exported, data):
         assert tokenizer["auto"] == want and tokenizer["fast"] == want, name
 
 
+def test_the_exported_tokenizer_decodes_a_continuation_as_generate_does(exported, data):
+    """The README's way of decoding what a model added (the whole sequence decoded, less the
+    decoded prompt) gives the continuation our ``generate`` prints, leading spaces and all;
+    the slice decoded alone drops one space (the dummy-prefix rule of sentencepiece, which
+    the converted tokenizer follows), which is why the README says it."""
+    from pretrain.unsharded.generate import completion
+    from tests.hf_side import CONTINUATION, PROMPT
+
+    tokenizer = open_tokenizer(data["tokenizer"])
+    for name, result in exported[1].items():
+        if not isinstance(result, dict) or "tokenizer" not in result:
+            continue
+        seen = result["tokenizer"]
+        ids, cut = seen["ids"], seen["cut"]
+        assert ids == tokenizer.encode(PROMPT + CONTINUATION), name
+        assert seen["continuation"] == completion(tokenizer, ids[:cut], ids[cut:]) \
+            == CONTINUATION, name
+        assert seen["slice"] == CONTINUATION[1:], name
+
+
 def test_a_wrong_config_gives_other_logits(exported):
     """The comparison can fail: the same weights read with c_l = 1 differ."""
     ours, theirs, _ = exported
