@@ -71,7 +71,8 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
         print(json.dumps(prepare_command(args.inputs, args.tokenizer, args.output, args.workers,
                                          Reading(args.text_field, args.plain_text),
-                                         args.shards, args.shard, args.blend)))
+                                         args.shards, args.shard, args.blend,
+                                         args.allow_lossy_tokenizer)))
         return 0
     if args.command == "explain":  # reads the config classes only
         from pretrain.report.config_reference import explain

@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prepare only this shard (0-based; a slurm array task's index)")
     d.add_argument("--blend", action="store_true",
                    help="keep the shards as a blend instead of merging them")
+    d.add_argument("--allow-lossy-tokenizer", action="store_true",
+                   help="prepare with a tokenizer that does not give back the text it encodes "
+                        "(refused otherwise; the dataset's record keeps the choice)")
     for command in (t, d):
         command.add_argument("--text-field", default="text",
                              help="the text field (JSON lines) or column (tables) to read")

@@ -9,6 +9,7 @@ the config itself was validated when it was loaded), so a mistake fails in secon
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -18,12 +19,15 @@ from model import compiled
 from model.backends import AttentionBackend
 from model.builder import build_model, wrap_ddp
 from model.config import ModelConfig
-from pretrain.config import Config, ParamsDtype
+from pretrain.config import Config, ParamsDtype, valid_sets
+from pretrain.data import record, round_trip
 from pretrain.data.checks import check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.report import console
 from runtime import device, parallel
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, DataError
+
+log = logging.getLogger("pretrain")
 
 
 def params_dtype(config: Config) -> torch.dtype:
@@ -43,13 +47,41 @@ def model_config(config: Config) -> ModelConfig:
 
 
 def tokenizer_for(config: Config) -> Tokenizer:
-    """The config's tokenizer, which the model's vocabulary must hold."""
+    """The config's tokenizer, which the model's vocabulary must hold; a vocabulary larger
+    than the tokenizer's beyond its padding is said once (rows no token ever reads)."""
     tokenizer = open_tokenizer(config.data.tokenizer)
-    if config.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size ({config.model.vocab_size}) must be >= the "
+    m = config.model
+    if m.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) must be >= the "
                           f"tokenizer's vocabulary ({tokenizer.vocab_size}, "
                           f"{config.data.tokenizer})")
+    if m.vocab_size - tokenizer.vocab_size >= m.make_vocab_size_divisible_by:
+        unused = m.vocab_size - tokenizer.vocab_size
+        log.warning("model.vocab_size (%s) is %.1f x the tokenizer's vocabulary (%s, %s): "
+                    "%s embedding rows no token reads (%s parameters each); set "
+                    "model.vocab_size=%d", f"{m.vocab_size:,}",
+                    m.vocab_size / tokenizer.vocab_size, f"{tokenizer.vocab_size:,}",
+                    config.data.tokenizer, f"{unused:,}", f"{m.hidden_size:,}",
+                    tokenizer.vocab_size)
     return tokenizer
+
+
+def check_round_trip(config: Config, tokenizer: Tokenizer) -> None:
+    """A tokenizer that does not give back the text it encodes trains only on datasets
+    prepared with that allowance (``pretrain.data.round_trip``)."""
+    lost = round_trip.loss(tokenizer, round_trip.PROBE)
+    if lost is None:
+        return
+    prefixes = [*config.data.prefixes, *(s.prefix for s in valid_sets(config.data))]
+    for prefix in prefixes:
+        if not (record.read(prefix) or {}).get("lossy_tokenizer"):
+            raise DataError(
+                f"data.tokenizer '{config.data.tokenizer}' does not give back the text it "
+                f"encodes ({lost}), and '{prefix}' was not prepared with "
+                "--allow-lossy-tokenizer: prepare it again with a lossless tokenizer, or "
+                "with --allow-lossy-tokenizer to train on this one's ids")
+    log.warning("data.tokenizer '%s' loses text (%s); its datasets were prepared with "
+                "--allow-lossy-tokenizer", config.data.tokenizer, lost)
 
 
 def preflight(config: Config, training: bool = True) -> Tokenizer:
@@ -59,6 +91,8 @@ def preflight(config: Config, training: bool = True) -> Tokenizer:
     Returns the tokenizer."""
     tokenizer = tokenizer_for(config)
     check_data(config, tokenizer, training)
+    if training:
+        check_round_trip(config, tokenizer)
     return tokenizer
 
 

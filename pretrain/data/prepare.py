@@ -14,6 +14,7 @@ counted, in the summary and the record (``empty_skipped``), so none is lost unno
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -31,7 +32,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from pretrain.data import record
+from pretrain.data import record, round_trip
 from pretrain.data.documents import (
     BY_DEFAULT,
     Reading,
@@ -43,7 +44,9 @@ from pretrain.data.documents import (
 )
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.paths import require_creatable
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, DataError
+
+log = logging.getLogger("pretrain")
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
 # the few in flight (2 per worker) bound memory; the corpus is never held whole.
@@ -133,13 +136,17 @@ def _write(builder: IndexedDatasetBuilder, chunks: Iterable) -> Written:
 
 
 def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: str,
-                 workers: int = 1, reading: Reading = BY_DEFAULT) -> dict:
+                 workers: int = 1, reading: Reading = BY_DEFAULT,
+                 allow_lossy: bool = False) -> dict:
     """Tokenise the documents of ``inputs`` (in order; any format of ``pretrain.data.documents``,
     or a Span of a JSON-lines file; read as ``reading`` says) into ``output_prefix``.bin/.idx.
 
+    A tokenizer that does not give back the text of the first documents is refused unless
+    ``allow_lossy`` (``pretrain.data.round_trip``); the record then says so.
+
     Returns {"documents", "tokens" (EOD included), "dtype", "prefix", "empty_skipped"}, and
     "plain_text" (how many plain-text files were read whole, how many cut at blank lines)
-    when an input is plain text.
+    when an input is plain text, "lossy_tokenizer" when it was allowed.
     """
     require_creatable(output_prefix, "prepare-data --output", folder=False)
     bin_path, idx_path = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
@@ -153,6 +160,7 @@ def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: 
     for path in inputs:
         check_input(path, reading)
     tokenizer = open_tokenizer(tokenizer_model)
+    lossy = _check_round_trip(inputs, reading, tokenizer, tokenizer_model, allow_lossy)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin, tmp_idx = (Path(f"{p}.tmp{os.getpid()}") for p in (bin_path, idx_path))
@@ -174,8 +182,32 @@ def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: 
         tmp_bin.unlink(missing_ok=True)
         tmp_idx.unlink(missing_ok=True)
     made = record.make(output_prefix, written.tokens, written.documents, written.ids, tokenizer)
-    record.write(output_prefix, {**made, "empty_skipped": skipped.empty})
+    kept = {"lossy_tokenizer": True} if lossy else {}
+    record.write(output_prefix, {**made, "empty_skipped": skipped.empty, **kept})
     plain = plain_text_counts(inputs, reading)
     return {"documents": written.documents, "tokens": written.tokens,
             "dtype": np.dtype(dtype).name, "prefix": output_prefix,
-            "empty_skipped": skipped.empty, **({"plain_text": plain} if plain else {})}
+            "empty_skipped": skipped.empty, **({"plain_text": plain} if plain else {}), **kept}
+
+
+def _check_round_trip(inputs: list[str | Span], reading: Reading, tokenizer, name: str,
+                      allow_lossy: bool) -> bool:
+    """Decode back the first round_trip.SAMPLE documents; a loss is refused in one line
+    naming the document, unless ``allow_lossy`` (then said once). Returns whether any was
+    lost."""
+    for number, (path, text) in enumerate(islice(
+            ((p, d) for p in inputs for d in iter_documents(p, reading)), round_trip.SAMPLE)):
+        lost = round_trip.loss(tokenizer, text)
+        if lost is None:
+            continue
+        where = f"document {number + 1} ('{path.path if isinstance(path, Span) else path}')"
+        if not allow_lossy:
+            raise DataError(
+                f"tokenizer '{name}' does not give back the text it encodes: in {where} "
+                f"{lost}; a model trained on its ids cannot write that text: use a lossless "
+                "tokenizer (train-tokenizer's, or a byte-level BPE), or pass "
+                "--allow-lossy-tokenizer to keep it (the dataset's record says so)")
+        log.warning("tokenizer '%s' loses text (--allow-lossy-tokenizer): in %s %s", name,
+                    where, lost)
+        return True
+    return False

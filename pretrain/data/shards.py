@@ -139,7 +139,8 @@ def _done(prefix: str) -> bool:
 
 
 def prepare_shard(inputs: list[str], tokenizer_model: str, output_prefix: str, shards: int,
-                  index: int, workers: int = 1, reading: Reading = BY_DEFAULT) -> dict:
+                  index: int, workers: int = 1, reading: Reading = BY_DEFAULT,
+                  allow_lossy: bool = False) -> dict:
     """Prepare shard ``index`` of ``shards`` (skipped if complete)."""
     if not 0 <= index < shards:
         raise ConfigError(f"prepare-data --shard ({index}) must be between 0 and --shards - 1 "
@@ -151,12 +152,12 @@ def prepare_shard(inputs: list[str], tokenizer_model: str, output_prefix: str, s
     for suffix in (".bin", ".idx"):  # a shard killed after its rename, before its record
         Path(prefix + suffix).unlink(missing_ok=True)
     return {"shard": index, **prepare_data(groups[index], tokenizer_model, prefix, workers,
-                                           reading)}
+                                           reading, allow_lossy)}
 
 
 def prepare_sharded(inputs: list[str], tokenizer_model: str, output_prefix: str, shards: int,
                     workers: int = 1, reading: Reading = BY_DEFAULT,
-                    blend: bool = False) -> dict:
+                    blend: bool = False, allow_lossy: bool = False) -> dict:
     """Every shard not yet complete, then the merge (or, ``blend``, the blend's summary)."""
     require_creatable(output_prefix, "prepare-data --output", folder=False)
     final = [Path(f"{output_prefix}{s}") for s in (".bin", ".idx")]
@@ -165,7 +166,7 @@ def prepare_sharded(inputs: list[str], tokenizer_model: str, output_prefix: str,
                           "exists; choose another --output")
     for index in range(shards):
         prepare_shard(inputs, tokenizer_model, output_prefix, shards, index, workers,
-                      reading)
+                      reading, allow_lossy)
     prefixes = [shard_prefix(output_prefix, k) for k in range(shards)]
     if blend:
         records = [record.read(p) for p in prefixes]
@@ -211,8 +212,9 @@ def merge(prefixes: list[str], output_prefix: str, tokenizer_model: str) -> dict
     documents = sum(r["documents"] for r in records)
     ids = (min(r["min_id"] for r in records), max(r["max_id"] for r in records))
     empty = sum(r.get("empty_skipped", 0) for r in records)  # 0: a shard made before it counted
+    kept = {"lossy_tokenizer": True} if any(r.get("lossy_tokenizer") for r in records) else {}
     made = record.make(output_prefix, tokens, documents, ids, tokenizer)
-    record.write(output_prefix, {**made, "empty_skipped": empty})
+    record.write(output_prefix, {**made, "empty_skipped": empty, **kept})
     shutil.rmtree(Path(prefixes[0]).parent)
     return {"documents": documents, "tokens": tokens, "dtype": np.dtype(dtype).name,
             "prefix": output_prefix, "empty_skipped": empty}
@@ -220,16 +222,17 @@ def merge(prefixes: list[str], output_prefix: str, tokenizer_model: str) -> dict
 
 def prepare_command(inputs: list[str], tokenizer_model: str, output_prefix: str, workers: int,
                     reading: Reading, shards: int | None, shard: int | None,
-                    blend: bool) -> dict:
+                    blend: bool, allow_lossy: bool = False) -> dict:
     """``prepare-data``: one process (no ``--shards``), one shard (``--shard``), or every
     shard still to do and then the merge or the blend."""
     inputs = expand_inputs(inputs)
     if shards is None:
         if shard is not None or blend:
             raise ConfigError("prepare-data --shard and --blend need --shards")
-        return prepare_data(inputs, tokenizer_model, output_prefix, workers, reading)
+        return prepare_data(inputs, tokenizer_model, output_prefix, workers, reading,
+                            allow_lossy)
     if shard is not None:
         return prepare_shard(inputs, tokenizer_model, output_prefix, shards, shard, workers,
-                             reading)
+                             reading, allow_lossy)
     return prepare_sharded(inputs, tokenizer_model, output_prefix, shards, workers,
-                           reading, blend)
+                           reading, blend, allow_lossy)
