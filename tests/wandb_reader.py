@@ -69,3 +69,13 @@ def read_summary(path: Path) -> dict:
             for item in record.summary.update:
                 summary[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return summary
+
+
+def read_project(path: Path) -> str:
+    """The project an offline run file's run record names."""
+    for raw in _records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "run":
+            return record.run.project
+    raise AssertionError(f"{path} holds no run record")

@@ -68,7 +68,10 @@ def log_epochs(reads: list[Reading]) -> None:
                  high.epochs, high.prefix)
     repeated = [r for r in reads if r.epochs > 1]
     if repeated:
-        log.warning("the run reads more than one epoch of %s, so its samples repeat: %s",
+        log.warning("the run reads more than one epoch of %s, so its samples repeat: %s; "
+                    "from the second pass on the training loss also falls by memorising them, "
+                    "and only the validation loss (documents the run never trains on) shows "
+                    "what the model learned beyond them: expect it to stop falling, then rise",
                     count(len(repeated), "prefix"),
                     ", ".join(f"{r.prefix} {r.epochs:.2f}" for r in repeated[:LISTED_PREFIXES])
                     + (", ..." if len(repeated) > LISTED_PREFIXES else ""))

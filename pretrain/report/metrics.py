@@ -24,7 +24,7 @@ from pathlib import Path
 from megatron.core import parallel_state
 
 from pretrain.config import Config, WandbMode
-from pretrain.report.wandb_settings import wandb_settings
+from pretrain.report.wandb_settings import RUN_FILE, wandb_settings, with_the_runs_project
 from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
@@ -66,8 +66,10 @@ class MetricsLogger:
         """The first step of the range being kept from W&B (None: none is)."""
         if not self.active:
             return
-        w = wandb_settings(config)
+        w, warning = with_the_runs_project(wandb_settings(config), run_dir)
         log.info("%s", w.text())
+        if warning and w.mode is not WandbMode.DISABLED:
+            log.warning("%s", warning)
         if w.mode is WandbMode.DISABLED:
             return
         for var, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"),
@@ -93,6 +95,9 @@ class MetricsLogger:
                               "offline (--logging.wandb_mode=offline) and `wandb sync` later"
                               ) from None
         id_file.write_text(run_id)  # only once W&B holds the run it names
+        (run_dir / RUN_FILE).write_text(json.dumps(
+            {"id": run_id, "project": w.project.value, "entity": w.entity.value
+             or getattr(self.wandb_run, "entity", "") or ""}) + "\n")
         log.info("W&B run %s (%s) in %s", run_id, w.mode.value, self.wandb_run.dir)
 
     def log(self, record: dict) -> None:

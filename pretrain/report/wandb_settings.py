@@ -115,6 +115,43 @@ def wandb_settings(config: Config) -> WandbSettings:
         else Setting(str(run_dir), "run.dir"))
 
 
+RUN_FILE = "wandb_run.json"
+"""In the run folder: the W&B run's id, project and entity, written when W&B first holds it."""
+
+
+def with_the_runs_project(settings: WandbSettings, run_dir: Path) -> tuple[WandbSettings,
+                                                                           str | None]:
+    """A run already on W&B is continued in its own project and entity (a resume, or lm-eval
+    logging into the run) where nothing names one now: a start without the WANDB_PROJECT the
+    run began with would otherwise log the same run id into the default project, as another
+    run. A project named now (logging.project, WANDB_PROJECT) that is not the run's is used,
+    with the warning returned."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        return settings, None
+    import json
+
+    held = json.loads(path.read_text())
+    warning = None
+    for field in ("project", "entity"):
+        setting, theirs = getattr(settings, field), held.get(field) or ""
+        if not theirs or setting.value == theirs:
+            continue
+        if setting.source == "default":
+            settings = settings._replace(**{field: Setting(theirs, f"the run's, {RUN_FILE}")})
+        elif warning is None:
+            warning = (f"W&B {field} {setting.value} ({setting.source}) is not the run's "
+                       f"({theirs}, {path}): its run id starts there as another run")
+    return settings, warning
+
+
+def sync_command(settings: WandbSettings) -> str:
+    """How to upload an offline run: its files are under the W&B dir (WANDB_DIR, else the run
+    folder)."""
+    folder = settings.dir.value if settings.dir.source == "WANDB_DIR" else "RUN"
+    return f"wandb sync {folder}/wandb/offline-run-*"
+
+
 def check_wandb(config: Config) -> WandbSettings:
     """What a start checks of W&B before anything is written: WANDB_MODE's value, credentials
     for an online run, and that its server answers (within :data:`REACH_TIMEOUT_S`)."""
@@ -124,7 +161,7 @@ def check_wandb(config: Config) -> WandbSettings:
     if not has_credentials():
         raise ConfigError(f"W&B mode online ({settings.mode_source}) needs W&B credentials: "
                           "set WANDB_API_KEY or run `wandb login`, or use offline (then "
-                          "`wandb sync RUN/wandb/offline-run-*`)")
+                          f"`{sync_command(settings)}`)")
     reason = unreachable(base_url())
     if reason:
         raise ConfigError(f"W&B server {base_url()} cannot be reached ({reason}; waited at most "

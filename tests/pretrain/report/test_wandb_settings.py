@@ -86,3 +86,37 @@ def test_online_without_credentials_names_where_online_came_from(monkeypatch):
     with pytest.raises(ConfigError, match=r"W&B mode online \(WANDB_MODE\) needs W&B "
                                           "credentials"):
         check_wandb(_config())
+
+
+def test_the_sync_advice_names_the_folder_wandb_writes_to(monkeypatch, tmp_path):
+    """An online start without credentials advises offline and `wandb sync`: with WANDB_DIR
+    set, the offline files are under it, and the advice says so."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    with pytest.raises(ConfigError, match=rf"`wandb sync {tmp_path / 'wb'}/wandb/offline-run-\*`"):
+        check_wandb(_config())
+    monkeypatch.delenv("WANDB_DIR")
+    with pytest.raises(ConfigError, match=r"`wandb sync RUN/wandb/offline-run-\*`"):
+        check_wandb(_config())
+
+
+@pytest.mark.slow  # trains through the CLI
+def test_a_run_stays_in_its_w_and_b_project_when_nothing_names_one(data, tmp_path):
+    """A run started with WANDB_PROJECT, resumed without it, stays in that project (the run
+    folder remembers it) instead of starting its run id again in the default project; a
+    project named on resume that is not the run's is used, with a warning."""
+    from tests.pretrain_fixtures import cli, train_args
+    from tests.wandb_reader import read_project
+
+    run = tmp_path / "run"
+    base = ["--logging.wandb_mode=offline", "--logging.project=", "--data.valid_samples=0"]
+    cli(*train_args(data, run, "--run.steps=3", *base), extra_env={"WANDB_PROJECT": "mine"})
+    resumed = cli(*train_args(data, run, "--run.steps=4", "--optim.override_schedule=true",
+                              *base))
+    assert "project mine (the run's, wandb_run.json)" in resumed.stderr, resumed.stderr[-2000:]
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [read_project(f) for f in files] == ["mine", "mine"]
+    other = cli(*train_args(data, run, "--run.steps=5", "--optim.override_schedule=true",
+                            *base), extra_env={"WANDB_PROJECT": "theirs"})
+    assert (f"W&B project theirs (WANDB_PROJECT) is not the run's (mine, {run}/wandb_run.json)"
+            ": its run id starts there as another run") in other.stderr
