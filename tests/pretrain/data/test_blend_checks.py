@@ -111,7 +111,10 @@ def test_the_epochs_of_each_prefix_are_said_and_over_one_warned(blend, tmp_path,
     assert f"data: {blend[0]}: 100 training tokens; the run reads 1.92 epochs of them" in lines
     assert f"data: {blend[1]}: 100 training tokens; the run reads 0.64 epochs of them" in lines
     assert (f"the run reads more than one epoch of 1 prefix, so its samples repeat: "
-            f"{blend[0]} 1.92") in lines
+            f"{blend[0]} 1.92; from the second pass on the training loss also falls by "
+            "memorising them, and only the validation loss (documents the run never trains "
+            "on) shows what the model learned beyond them: expect it to stop falling, then "
+            "rise") in lines
 
 
 def test_eval_hears_nothing_of_the_training_epochs(blend, tmp_path, caplog):
