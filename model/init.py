@@ -18,23 +18,29 @@ The rules (``model.init``, :class:`~model.schemes.InitMethod`; std = ``model.ini
   or std where the scheme scales them itself (``Traits.depth_scaled_output_init``)
 - an untied output layer: std (``normal``) or 1 / sqrt(hidden_size) (``full_megatron``)
 - ``full_megatron`` truncates every draw at +-3 std, as OLMo's ``init_normal`` does
-- everything else (norm weights and gates 1, biases 0, ...) keeps its constant value; a
-  tensor here that is not constant has no rule and is refused, so a new random parameter cannot
-  silently become layout-dependent.
+- everything else starts at a declared value, never at whatever its constructor happened to
+  write: a scheme's own parameters at their entry in its file's ``START`` (by key suffix),
+  norm weights at 1, norm and linear biases at 0 (:func:`start_of`). The build checks every
+  such tensor against its declaration and refuses one without a declaration or away from it
+  (naming the scheme, the tensor and the file), and a random tensor without a rule to draw it:
+  a start value is part of a scheme's equations (a gate's bias at 0 instead of 2 is another
+  model), and a random one would be layout-dependent.
 
 A scheme's file may define ``init_std(model, key)``, the std of its own random parameters
 (None for the rest), drawn like every other weight; and ``scale_init(model, key, weight)`` to
-rescale a drawn global tensor
-in place (DeepNorm's beta); it sees the whole tensor, so the scaling is layout-independent too.
-It may list in ``FIXED_INIT`` the key suffixes of parameters it sets from the config and the
-global block index alone (hyper-connections' one-hot and identity starts), which are not
-constant yet are layout-independent by construction.
+rescale a drawn global tensor in place (DeepNorm's beta); it sees the whole tensor, so the
+scaling is layout-independent too. Its ``START`` maps key suffixes to a :data:`Start`: one
+value for every element, or a function of the config, the key, the global block index and the
+global shape (hyper-connections' one-hot and identity starts), layout-independent by
+construction. ``tests/model/test_equations.py`` holds every registered scheme's starts to its
+own transcription of the equations' start values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Callable
 
 import torch
@@ -42,6 +48,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from model.config import ModelConfig
+from model.decay import ROLE, Decay
 from model.layers import SCHEME_FILES
 from model.schemes import InitMethod
 
@@ -105,6 +112,13 @@ Source = Callable[[ShardedTensor, str], "torch.Tensor | None"]
 index), the whole global tensor, or None to keep the tensor as built."""
 
 
+def _where(tensor: ShardedTensor) -> tuple[slice, ...]:
+    """Where the local ``tensor`` sits in its global tensor (past the stacked block axis)."""
+    blocks = tensor.prepend_axis_num
+    return tuple(slice(offset, offset + size) for offset, size in
+                 zip(tensor.global_offset[blocks:], tensor.data.shape, strict=True))
+
+
 @torch.no_grad()
 def fill(chunks: list[torch.nn.Module], source: Source) -> None:
     """Copy into every local tensor of ``chunks`` its slice of the global tensor ``source``
@@ -116,22 +130,55 @@ def fill(chunks: list[torch.nn.Module], source: Source) -> None:
             previous, name = name, f"{tensor.key}{list(tensor.global_offset[:blocks])}"
             if name != previous:
                 full = source(tensor, name)
-            if full is None:
-                continue
-            where = tuple(slice(offset, offset + size) for offset, size in
-                          zip(tensor.global_offset[blocks:], tensor.data.shape, strict=True))
-            tensor.data.copy_(full[where])
+            if full is not None:
+                tensor.data.copy_(full[_where(tensor)])
+
+
+Start = float | Callable[[ModelConfig, str, "int | None", tuple[int, ...]], torch.Tensor]
+"""What a tensor that is not drawn starts at: one value for every element, or the global
+tensor as a function of the config, the tensor's key, its global block index (None outside
+the blocks) and its global shape."""
+
+
+def start_of(model: ModelConfig, key: str, role: Decay | None) -> Start | None:
+    """The declared start of the undrawn tensor ``key`` of weight-decay role ``role``: the
+    scheme's own (its file's ``START``, the first suffix ``key`` ends with), else its role's
+    (norm weights 1, norm and linear biases 0); None where nothing declares one."""
+    own = getattr(SCHEME_FILES[model.residual_scheme], "START", {})
+    for suffix, start in own.items():
+        if key.endswith(suffix):
+            return start
+    if role is Decay.NORM:
+        return 0.0 if key.endswith("bias") else 1.0
+    if role is Decay.BIAS:
+        return 0.0
+    return None
+
+
+def block_of(tensor: ShardedTensor) -> int | None:
+    """The global block index of a block's tensor (stacked: its leading offset; keyed per
+    block: the index in its key), None for the embedding, the output layer and the end."""
+    if tensor.prepend_axis_num:
+        return int(tensor.global_offset[0])
+    keyed = re.search(r"decoder\.layers\.(\d+)\.", tensor.key)
+    return int(keyed.group(1)) if keyed else None
+
+
+def start_tensor(model: ModelConfig, start: Start, key: str, block: int | None,
+                 shape: tuple[int, ...]) -> torch.Tensor:
+    """The global fp32 tensor a :data:`Start` gives."""
+    if callable(start):
+        return start(model, key, block, shape).float()
+    return torch.full(shape, float(start))
 
 
 def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> None:
-    """Overwrite every random weight of ``chunks`` with its layout-independent draw."""
-    fixed = getattr(SCHEME_FILES[model.residual_scheme], "FIXED_INIT", ())
-
+    """Overwrite every random weight of ``chunks`` with its layout-independent draw, and hold
+    every other tensor to its declared start (:func:`start_of`)."""
     def drawn(tensor: ShardedTensor, name: str) -> torch.Tensor | None:
         std = std_of(model, tensor.key)
         if std is None:
-            if not tensor.key.endswith(fixed):
-                _require_constant(tensor)
+            _require_start(model, tensor)
             return None
         shape = tuple(tensor.global_shape[tensor.prepend_axis_num:])
         return draw(model, seed, name, tensor.key, shape, std)
@@ -139,10 +186,42 @@ def initialize(chunks: list[torch.nn.Module], model: ModelConfig, seed: int) -> 
     fill(chunks, drawn)
 
 
-def _require_constant(tensor: ShardedTensor) -> None:
+def _role(data: torch.Tensor) -> Decay | None:
+    """The weight-decay role of a parameter, or of the parameter a view (SwiGLU's fc1
+    halves) is of."""
+    role = getattr(data, ROLE, None)
+    return role if role is not None else getattr(data._base, ROLE, None)
+
+
+def _require_start(model: ModelConfig, tensor: ShardedTensor) -> None:
     data = tensor.data
-    constant = data.numel() <= 1 or bool((data == data.flatten()[0]).all())
-    if data.is_floating_point() and not constant:
+    if not data.is_floating_point():
+        return
+    scheme = model.residual_scheme
+    where = f"residual scheme {scheme}: {tensor.key}"
+    block = block_of(tensor)
+    if block is not None:
+        where += f" (block {block})"
+    start = start_of(model, tensor.key, _role(data))
+    if start is None:
+        constant = data.numel() <= 1 or bool((data == data.flatten()[0]).all())
+        what = "is built constant" if constant else "is built with random values"
         raise RuntimeError(
-            f"model.init has no rule for {tensor.key}, which is built with random values: "
-            "add it to model/init.py so every parallel layout draws it alike")
+            f"{where} {what} but has no rule: declare its start in START of "
+            f"model/layers/{scheme}.py (or, if it is drawn, its std in init_std there) so "
+            "every parallel layout starts it alike")
+    shape = tuple(tensor.global_shape[tensor.prepend_axis_num:])
+    want = start_tensor(model, start, tensor.key, block, shape)[_where(tensor)]
+    if not torch.equal(data.detach().cpu(), want.to(data.dtype)):
+        raise RuntimeError(
+            f"{where} starts at {_show(data)} but is declared to start at {_show(want)} "
+            f"(START of model/layers/{scheme}.py, or the role's rule in model/init.py "
+            "start_of): build it at its declared start, or correct the declaration with the "
+            "scheme's equations")
+
+
+def _show(values: torch.Tensor) -> str:
+    flat = values.detach().float().flatten()
+    if flat.numel() and bool((flat == flat[0]).all()):
+        return f"{flat[0].item():g} everywhere"
+    return f"{[round(v, 6) for v in flat[:6].tolist()]}{' ...' if flat.numel() > 6 else ''}"

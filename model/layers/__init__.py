@@ -1,8 +1,8 @@
 """One file per residual scheme, each saying which layer class builds each block.
 
 A scheme's file holds ``layer(model, index)`` and optionally ``final_norm(model, norm)``,
-``init_std(model, key)``, ``scale_init(model, key, weight)`` and ``FIXED_INIT`` (parameter
-suffixes the random init leaves alone). ``pre`` is megatron's own TransformerLayer; the
+``init_std(model, key)``, ``scale_init(model, key, weight)`` and ``START`` (where its own
+undrawn parameters start: model/init.py). ``pre`` is megatron's own TransformerLayer; the
 shared classes live in ``base``, ``two_stream`` and ``merge``.
 """
 

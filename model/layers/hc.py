@@ -139,5 +139,26 @@ def final_norm(model: ModelConfig, norm: ModuleSpec) -> ModuleSpec:
     return ModuleSpec(module=StreamSumNorm, params={"norm": norm, "rate": model.hc_rate})
 
 
-FIXED_INIT = (".width", ".depth", ".output", ".width_scale", ".output_scale")
-"""Parameters set from the config and the global sublayer index alone (model/init.py)."""
+def _one_hot_width(model: ModelConfig, key: str, block: int | None,
+                   shape: tuple[int, ...]) -> torch.Tensor:
+    """Am = e_(j mod n) for sublayer j = 2 l (attention) or 2 l + 1 (MLP) of global block l."""
+    width = torch.zeros(shape)
+    width[(2 * block + (0 if ".attn_hc." in key else 1)) % model.hc_rate] = 1.0
+    return width
+
+
+def _identity(model: ModelConfig, key: str, block: int | None,
+              shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.eye(model.hc_rate)
+
+
+START = {
+    "_hc.width": _one_hot_width,                # Am = e_(j mod n)
+    "_hc.depth": _identity,                     # Ar = I
+    "_hc.output": 1.0,                          # B = 1
+    "_hc.proj": 0.0,                            # the dynamic projections
+    "_hc.width_scale": DYNAMIC_SCALE_INIT,      # s_a
+    "_hc.output_scale": DYNAMIC_SCALE_INIT,     # s_b
+}
+"""Where the connection weights start (model/init.py): every stream alike, the model starts
+as Pre-Norm."""

@@ -175,3 +175,7 @@ def init_std(model: ModelConfig, key: str) -> float | None:
     if key.endswith("_mhc.phi"):
         return 1.0 / math.sqrt(model.hc_rate * model.hidden_size)
     return None
+
+
+START = {"_mhc.static": 0.0, "_mhc.gates": GATE_INIT}
+"""b = 0 and a = 0.01 (the paper's; model/init.py): H_pre = 1/2, H_post = 1, H_res = 1/n."""

@@ -130,3 +130,7 @@ def layer(model: ModelConfig, index: int) -> LayerChoice:
         literal = model.hybrid_first_block is FirstBlock.PRENORM_LITERAL
         return HybridNormStarFirstBlock, {**params, "mlp_x_norm": not literal}
     return SiameseHybridLayer, params
+
+
+START = {"attn_gate.weight": 1.0}
+"""The channel gate g starts at 1 (model/init.py): x enters the attention as it is."""

@@ -137,6 +137,40 @@ class Reference:
         r = self.branch(k, self.norm(torch.einsum("...i,...id->...d", h_pre, H), norm), i)
         return torch.einsum("...ki,...id->...kd", m, H) + h_post.unsqueeze(-1) * r.unsqueeze(-2)
 
+    def start(self, name: str) -> torch.Tensor | None:
+        """What the parameter ``name`` starts at by its scheme's equations and paper, in
+        float64; None for a random draw (whose distribution model/init.py states and
+        test_layout_init.py holds). Refuses a parameter it has no start value for, so a new
+        scheme's own parameters fail here until their starts are transcribed."""
+        cfg, shape = self.cfg, self.p[name].shape
+        module, _, leaf = name.rpartition(".")
+        if name.endswith(("word_embeddings.weight", "linear_qkv.weight", "linear_proj.weight",
+                          "linear_fc1.weight", "linear_fc2.weight", "output_layer.weight",
+                          "_mhc.phi")):
+            return None
+        if leaf == "bias":  # norms' and linear layers'
+            return torch.zeros(shape, dtype=torch.float64)
+        if leaf == "weight" and any("norm" in part for part in module.split(".")[-2:]):
+            # every norm (``attn_norms.post``: a sublayer's Npost)
+            return torch.ones(shape, dtype=torch.float64)
+        if module.endswith("attn_gate"):  # siamese_hybrid's g: x enters as it is
+            return torch.ones(shape, dtype=torch.float64)
+        if module.endswith("_hc"):  # Zhu et al.: every stream alike, as Pre-Norm
+            n = cfg.hc_rate
+            block = int(name.split(".")[2])
+            j = 2 * block + (0 if module.endswith("attn_hc") else 1)  # the sublayer's index
+            starts = {"width": torch.eye(n, dtype=torch.float64)[j % n],
+                      "depth": torch.eye(n, dtype=torch.float64),
+                      "output": torch.ones(n, dtype=torch.float64),
+                      "proj": torch.zeros(shape, dtype=torch.float64),
+                      "width_scale": torch.tensor(0.01, dtype=torch.float64),
+                      "output_scale": torch.tensor(0.01, dtype=torch.float64)}
+            if leaf in starts:
+                return starts[leaf]
+        if module.endswith("_mhc") and leaf in ("static", "gates"):  # Xie et al.: b 0, a 0.01
+            return torch.full(shape, 0.0 if leaf == "static" else 0.01, dtype=torch.float64)
+        raise NotImplementedError(f"no start value transcribed for {name}")
+
     def logits(self, tokens):
         cfg = self.cfg
         h = self.p["embedding.word_embeddings.weight"][tokens]
@@ -226,6 +260,37 @@ def test_the_reference_refuses_a_scheme_it_does_not_know():
     params = {"embedding.word_embeddings.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)}
     with pytest.raises(NotImplementedError, match="throwaway"):
         Reference(cfg, params).logits(torch.zeros(1, 2, dtype=torch.long))
+
+
+def test_the_reference_refuses_a_parameter_it_has_no_start_for():
+    cfg = tiny_model("pre")
+    params = {"decoder.layers.0.attn_gate_bias": torch.zeros(())}
+    with pytest.raises(NotImplementedError, match="attn_gate_bias"):
+        Reference(cfg, params).start("decoder.layers.0.attn_gate_bias")
+
+
+@pytest.mark.parametrize("scheme,extra", SCHEMES, ids=lambda v: str(v) if v else "")
+def test_every_parameter_starts_where_its_equations_say(single_rank, scheme, extra):
+    """Start values are part of a scheme's equations (a gate's bias at 0 instead of 2 is
+    another model), and the logits test above cannot see them: it moves every parameter off
+    its start first. Built in bf16 (where a start is stored as the model stores it), with
+    biases everywhere, every parameter that is not a random draw starts exactly at the
+    reference's start value; every random draw is not constant."""
+    cfg = tiny_model(scheme, normalization="layernorm", norm_bias=True, add_bias_linear=True,
+                     **extra)
+    [model] = build_model(cfg, ParallelConfig(), params_dtype=torch.bfloat16, seed=2)
+    params = dict(model.named_parameters())
+    ref = Reference(cfg, params)
+    for name, param in params.items():
+        want = ref.start(name)
+        got = param.detach().cpu()
+        if want is None:
+            assert got.float().std() > 0, f"{scheme} {extra}: {name} should be drawn"
+            continue
+        assert got.shape == want.shape, f"{scheme} {extra}: {name} has shape {got.shape}"
+        assert torch.equal(got, want.to(got.dtype)), \
+            f"{scheme} {extra}: {name} starts at {got.flatten()[:6].tolist()}, its equations " \
+            f"say {want.flatten()[:6].tolist()}"
 
 
 def rel_err(a, b) -> float:
