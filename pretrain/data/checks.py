@@ -39,7 +39,7 @@ from pretrain.config import Config, ValidSet, valid_sets
 from pretrain.data import index as idx
 from pretrain.data import record
 from pretrain.data.batches import sample_counts
-from pretrain.data.epochs import Reading, blend_weights, log_epochs
+from pretrain.data.epochs import Reading, blend_weights, log_epochs, log_long_documents
 from pretrain.paths import require_file
 from pretrain.report.units import count, human
 from runtime.errors import ConfigError, DataError
@@ -90,6 +90,8 @@ def check_data(config: Config, tokenizer, training: bool = True) -> None:
         train_tokens = _split_tokens(index.lengths, split_matrix[0])
         reads.append(Reading(prefix, train_tokens,
                              wanted[0] * weight * config.seq_length / max(train_tokens, 1)))
+        if training:
+            log_long_documents(prefix, index.lengths, config.seq_length)
         if data.valid_samples:
             capacity.append((prefix, weight, _split_sequences(config, index.lengths,
                                                               split_matrix[1])))

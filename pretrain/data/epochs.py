@@ -75,3 +75,17 @@ def log_epochs(reads: list[Reading]) -> None:
                     count(len(repeated), "prefix"),
                     ", ".join(f"{r.prefix} {r.epochs:.2f}" for r in repeated[:LISTED_PREFIXES])
                     + (", ..." if len(repeated) > LISTED_PREFIXES else ""))
+
+
+def log_long_documents(prefix: str, lengths, seq_length: int) -> None:
+    """Say how many documents of ``prefix`` (``lengths``: tokens of each) are longer than a
+    sample: megatron packs documents end to end and cuts samples of seq_length tokens, so a
+    long document is split across samples and every part is trained on, the later parts
+    without the document's beginning in their context."""
+    longer = int((lengths > seq_length).sum())
+    if longer:
+        log.info("data: %s: %s of %s documents are longer than model.seq_length (%s tokens): "
+                 "packing splits them across sequences and every part is trained on, each "
+                 "part after the first without the document's beginning in its context",
+                 prefix, f"{longer:,}", f"{len(lengths):,}", f"{seq_length:,}")
+

@@ -88,3 +88,19 @@ def test_a_wrong_plain_text_choice_and_a_missing_field_are_one_line(data, inputs
         f"error: data file '{corpus}' line 1 has no \"text\" field (its keys: \"path\", "
         "\"content\"); --text-field names the field that holds the text")
     assert not list(tmp_path.glob("out*"))
+
+
+def test_a_training_start_says_how_many_documents_are_longer_than_a_sequence(data, tmp_path):
+    """Documents longer than model.seq_length are split across samples and trained on; the
+    start says how many there are (counted here from the index itself)."""
+    from tests.pretrain_fixtures import train_args
+
+    dataset = IndexedDataset(data["prefix"])  # held: its arrays are views of its memory map
+    lengths = np.array(dataset.sequence_lengths)
+    longer = int((lengths > 32).sum())  # TINY's sequence length
+    assert longer > 0
+    done = cli(*train_args(data, tmp_path / "run", "--run.steps=3"))
+    assert (f"data: {data['prefix']}: {longer:,} of {len(lengths):,} documents are longer "
+            "than model.seq_length (32 tokens): packing splits them across sequences and "
+            "every part is trained on, each part after the first without the document's "
+            "beginning in its context") in done.stderr
