@@ -344,3 +344,26 @@ def test_prepare_data_writes_lines_not_a_bar_to_a_log(tokenizers, corpus, tmp_pa
     err = capfd.readouterr().err
     assert "\r" not in err, err[:500]
     assert "tokenising:" in err and "documents" in err, err[:500]
+
+
+def test_a_vocabulary_far_larger_than_the_tokenizers_is_said(data, caplog):
+    """32,000 rows for a 512-piece tokenizer: the start says how many rows no token reads and
+    the setting that fits; a vocabulary within the padding multiple says nothing."""
+    from pretrain.build import tokenizer_for
+    from pretrain.config import load_config
+    from tests.pretrain_fixtures import REPO
+
+    def said(vocab: int) -> list[str]:
+        caplog.clear()
+        config = load_config(str(REPO / "configs" / "demo-cpu.toml"),
+                             [f"--data.tokenizer={data['tokenizer']}",
+                              f"--model.vocab_size={vocab}"])
+        with caplog.at_level("WARNING", logger="pretrain"):
+            tokenizer_for(config)
+        return caplog.messages
+
+    assert said(32000) == [
+        f"model.vocab_size (32,000) is 62.5 x the tokenizer's vocabulary (512, "
+        f"{data['tokenizer']}): 31,488 embedding rows no token reads (128 parameters each); "
+        "set model.vocab_size=512"]
+    assert said(600) == []
