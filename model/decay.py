@@ -11,7 +11,12 @@ otherwise.
 megatron's own modules get their role from their kind (linear, embedding, norm); a scheme's
 own parameters declare theirs with :func:`declare`. :func:`assign` runs when a model is built
 and refuses a parameter with neither, naming the scheme and the parameter, so a new scheme
-cannot leave a scalar to megatron's shape rule unnoticed.
+cannot leave a scalar to megatron's shape rule unnoticed. It also refuses a role that does not
+fit the parameter: one its shape cannot have (:data:`RANKS`: a 0-d scalar declared a matrix
+would be decayed by that accident instead), or one that contradicts its module's kind (a norm's
+weight declared a gate). Whether a role is decayed is the role's default; a scheme that means
+otherwise says so by name, ``declare(param, role, decayed=..., why="...")``, and the reason
+stays on the parameter for the tests and the reader.
 """
 
 from __future__ import annotations
@@ -38,17 +43,44 @@ class Decay(StrEnum):
     """Static mixing coefficients between residual streams."""
 
 
+RANKS: dict[Decay, tuple[int, ...]] = {
+    Decay.MATRIX: (2,),
+    Decay.NORM: (1,),
+    Decay.BIAS: (1,),
+    Decay.GATE: (1,),
+    Decay.SCALAR: (0, 1),  # one scalar, or a few side by side (mHC's three gates)
+    Decay.MIXING: (1, 2),  # per stream, or stream by stream
+}
+"""The tensor ranks each role fits: what a parameter of another rank declared in that role is
+refused for."""
+
 ROLE = "decay_role"
 """The parameter attribute holding its :class:`Decay`."""
 DECAYED = "weight_decayed"
 """The parameter attribute holding whether the optimizer decays it."""
 
 
-def declare(param: torch.nn.Parameter, role: Decay, *, decayed: bool | None = None
-            ) -> torch.nn.Parameter:
-    """Give ``param`` its role; ``decayed`` overrides the role's default (MATRIX only)."""
-    setattr(param, ROLE, Decay(role))
-    setattr(param, DECAYED, role is Decay.MATRIX if decayed is None else decayed)
+WHY = "weight_decay_override"
+"""The parameter attribute holding why its decay differs from its role's default (absent when
+it does not)."""
+
+
+def declare(param: torch.nn.Parameter, role: Decay, *, decayed: bool | None = None,
+            why: str | None = None) -> torch.nn.Parameter:
+    """Give ``param`` its role, decayed by the role's default (MATRIX only). ``decayed``
+    against that default is an override and needs ``why``, the reason, kept on the parameter
+    (``WHY``); ValueError without one."""
+    role = Decay(role)
+    default = role is Decay.MATRIX
+    setattr(param, ROLE, role)
+    setattr(param, DECAYED, default if decayed is None else decayed)
+    if decayed is not None and decayed != default:
+        if not why:
+            raise ValueError(f"declare({role}, decayed={decayed}) overrides the role's default "
+                             "weight decay: say why, declare(..., why=\"...\")")
+        setattr(param, WHY, why)
+    elif hasattr(param, WHY):
+        delattr(param, WHY)
     return param
 
 
@@ -70,20 +102,38 @@ def _kind(module: torch.nn.Module, name: str) -> Decay | None:
 
 def assign(chunks, scheme: str) -> None:
     """Give every parameter of ``chunks`` its role (declared, or from its module's kind);
-    RuntimeError naming ``scheme`` and the parameter for one that has neither."""
+    RuntimeError naming ``scheme``, the parameter and the fix for one that has neither, or
+    whose declared role does not fit its rank (:data:`RANKS`) or its module's kind."""
     for chunk in chunks:
         for module_name, module in chunk.named_modules():
             for name, param in module.named_parameters(recurse=False):
-                if getattr(param, ROLE, None) is not None:
-                    continue
-                role = _kind(module, name)
-                if role is None:
-                    where = f"{module_name}.{name}" if module_name else name
+                where = f"{module_name}.{name}" if module_name else name
+                what = (f"residual scheme {scheme}: parameter {where} ({type(module).__name__}, "
+                        f"shape {tuple(param.shape)})")
+                kind = _kind(module, name)
+                role = getattr(param, ROLE, None)
+                if role is None and kind is None:
                     raise RuntimeError(
-                        f"residual scheme {scheme}: parameter {where} ({type(module).__name__}, "
-                        f"shape {tuple(param.shape)}) declares no weight-decay role: give it "
-                        "one with model.decay.declare where the layer makes it")
-                declare(param, role)
+                        f"{what} declares no weight-decay role: give it one with "
+                        "model.decay.declare where the layer makes it")
+                if role is None:
+                    declare(param, kind)
+                    continue
+                if kind is not None and role is not kind:
+                    raise RuntimeError(
+                        f"{what} is declared {role}, but its module makes it a {kind}: "
+                        f"declare it {kind} (model/decay.py), or make it in a module of its own")
+                if param.dim() not in RANKS[role]:
+                    fits = ", ".join(r.value for r, ranks in RANKS.items() if param.dim() in ranks)
+                    raise RuntimeError(
+                        f"{what} is declared {role}, which is for {_ranks(RANKS[role])} "
+                        f"tensors, not {param.dim()}-d ones (model.decay.RANKS): declare the role "
+                        f"it is ({fits}); to decay it or not against that role's default, "
+                        "declare(param, role, decayed=..., why=\"...\")")
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return " or ".join(f"{r}-d" for r in ranks)
 
 
 def decayed(param: torch.nn.Parameter) -> bool:

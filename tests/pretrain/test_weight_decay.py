@@ -29,21 +29,81 @@ def groups_by_param(optimizer) -> dict[int, float]:
     return found
 
 
+def optimizer_groups(model_config, add=None) -> tuple[dict[int, float], list]:
+    """({id(param): wd_mult}, the wrapped chunks) of the optimizer built over ``model_config``'s
+    model, after ``add(model)`` gave it more parameters."""
+    parallel = ParallelConfig(distributed_optimizer=False)  # groups hold the parameters
+    config = Config(model=model_config, parallel=parallel, optim=OptimConfig(weight_decay=0.1))
+    chunks = build_model(config.model, parallel, seed=1)
+    if add is not None:
+        add(chunks[0])
+        decay.assign(chunks, model_config.residual_scheme)
+    chunks = wrap_ddp(chunks, parallel)
+    optimizer, _ = build_optimizer(config, chunks, torch.float32)
+    return groups_by_param(optimizer), chunks
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_optimizer_decays_exactly_the_weight_matrices(single_rank, scheme):
-    """Every parameter has a role; the optimizer's groups give weight decay to exactly the
-    parameters whose role is decayed (matrices), none to norms, biases, gates, scalars and
-    mixing coefficients."""
-    parallel = ParallelConfig(distributed_optimizer=False)  # groups hold the parameters
-    config = Config(model=tiny_model(scheme), parallel=parallel,
-                    optim=OptimConfig(weight_decay=0.1))
-    chunks = wrap_ddp(build_model(config.model, parallel, seed=1), parallel)
-    optimizer, _ = build_optimizer(config, chunks, torch.float32)
-    wd = groups_by_param(optimizer)
+    """Every parameter has a role that fits its rank (``decay.RANKS``: a 0-d scalar is never
+    a matrix); the optimizer's groups give weight decay to exactly the parameters whose role
+    is decayed (matrices), none to norms, biases, gates, scalars and mixing coefficients,
+    unless a parameter's declaration overrides its role by name (``decay.WHY``)."""
+    wd, chunks = optimizer_groups(tiny_model(scheme))
     for name, param in chunks[0].module.named_parameters():
         role = getattr(param, decay.ROLE)
         assert isinstance(role, decay.Decay), (scheme, name)
-        assert wd[id(param)] == (1.0 if role is decay.Decay.MATRIX else 0.0), (scheme, name, role)
+        assert param.dim() in decay.RANKS[role], (scheme, name, role, tuple(param.shape))
+        overridden = bool(getattr(param, decay.WHY, ""))
+        assert decay.decayed(param) == ((role is decay.Decay.MATRIX) != overridden), \
+            (scheme, name, role)
+        assert wd[id(param)] == (1.0 if decay.decayed(param) else 0.0), (scheme, name, role)
+
+
+def test_a_named_override_is_what_the_optimizer_does(single_rank):
+    """A scheme that decays a scalar (or spares a matrix) says why, and the optimizer follows
+    the declaration."""
+    def add(model):
+        layer = model.decoder.layers[1]
+        layer.alpha = decay.declare(torch.nn.Parameter(torch.zeros(())), decay.Decay.SCALAR,
+                                    decayed=True, why="a test of the override")
+        layer.spared = decay.declare(torch.nn.Parameter(torch.zeros(2, 2)),
+                                     decay.Decay.MATRIX, decayed=False, why="another")
+    wd, chunks = optimizer_groups(tiny_model("pre"), add)
+    layer = chunks[0].module.decoder.layers[1]
+    assert (wd[id(layer.alpha)], wd[id(layer.spared)]) == (1.0, 0.0)
+    assert getattr(layer.alpha, decay.WHY) == "a test of the override"
+    with pytest.raises(ValueError, match="say why"):
+        decay.declare(torch.nn.Parameter(torch.zeros(())), decay.Decay.SCALAR, decayed=True)
+    assert not hasattr(decay.declare(layer.alpha, decay.Decay.SCALAR), decay.WHY)
+
+
+@pytest.mark.parametrize("shape,role,refused", [
+    ((), decay.Decay.MATRIX, r"declared matrix, which is for 2-d tensors, not 0-d ones .*"
+                             r"declare the role it is \(scalar\)"),
+    ((4, 4), decay.Decay.GATE, r"declared gate, which is for 1-d tensors, not 2-d ones .*"
+                               r"\(matrix, mixing\)"),
+    ((4,), decay.Decay.MATRIX, r"declared matrix, .* not 1-d ones"),
+])
+def test_a_role_its_shape_cannot_have_is_refused(single_rank, shape, role, refused):
+    """A role must fit the parameter's rank: a 0-d scalar declared a matrix would be decayed
+    by that accident. The message names the scheme, the parameter, the roles that fit and
+    the named override."""
+    [model] = build_model(tiny_model("pre"), ParallelConfig())
+    model.decoder.layers[1].alpha = decay.declare(torch.nn.Parameter(torch.zeros(shape)), role)
+    with pytest.raises(RuntimeError, match=r"pre: parameter decoder\.layers\.1\.alpha .*"
+                                           + refused + r".*why="):
+        decay.assign([model], "pre")
+
+
+def test_a_role_against_the_modules_kind_is_refused(single_rank):
+    """A norm's weight (a norm by its module) declared a gate is refused, naming its kind."""
+    [model] = build_model(tiny_model("post"), ParallelConfig())
+    norm = model.decoder.layers[0].attn_post_norm
+    decay.declare(norm.weight, decay.Decay.GATE)
+    with pytest.raises(RuntimeError, match=r"attn_post_norm\.weight .* is declared gate, but "
+                                           r"its module makes it a norm"):
+        decay.assign([model], "post")
 
 
 def test_the_roles_of_each_kind(single_rank):
@@ -77,5 +137,3 @@ def test_an_undeclared_parameter_is_refused_naming_scheme_and_parameter(single_r
     decay.declare(layer.alpha, decay.Decay.SCALAR)
     decay.assign([model], "pre")
     assert not decay.decayed(layer.alpha)
-    decay.declare(layer.alpha, decay.Decay.SCALAR, decayed=True)  # a scheme may say otherwise
-    assert decay.decayed(layer.alpha)
