@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-fast demo bench lint gpu-check gpu-bundle gpu-rehearse te test-hf-versions lock-refresh
+.PHONY: setup test test-fast demo bench lint gpu-check gpu-bundle gpu-rehearse te test-hf-versions test-versions lock-refresh
 setup: $(VENV)/.installed
 
 # requirements.lock pins every package (the versions the suite last passed with).
@@ -54,6 +54,12 @@ te: setup
 # venv (.venv-hf/<version>: torch and that release only).
 test-hf-versions: setup
 	$(PY) scripts/test_hf_versions.py
+
+# The version-sensitive tests (kernels, opcheck, compiled blocks, equations, the GPU check's
+# rehearsal, CLI smoke runs) under the GPU image's torch 2.11.0 + triton 3.6.0 and the newest torch
+# on the index, each in its own venv (.venv-versions/<name>, built once); not part of `make test`.
+test-versions: setup
+	$(PY) scripts/test_versions.py
 
 # The newest releases pyproject allows, tested with the whole suite before they become the lock.
 lock-refresh:

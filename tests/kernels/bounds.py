@@ -125,7 +125,9 @@ def _extents(fn, args: list, kwargs: dict) -> list[Extent]:
 
 
 # Memory operations the check does not take apart (our kernels use none): each use is a
-# violation, so a kernel that starts using one is not passed unchecked.
+# violation, so a kernel that starts using one is not passed unchecked. Those the installed
+# Triton's interpreter lacks are skipped (block-pointer loads and stores, which Triton 3.6 still
+# has, go through the masked load and store, so they are checked).
 UNCHECKED = ("create_atomic_cas", "create_atomic_load", "create_atomic_store",
              "create_atomic_poll", "create_atomic_rmw", "create_descriptor_load",
              "create_descriptor_store", "create_descriptor_gather", "create_descriptor_scatter")
@@ -152,12 +154,14 @@ def checked() -> Iterator[Report]:
     def width(ptrs) -> int:
         return ptrs.get_element_ty().primitive_bitwidth // 8
 
-    def load_checked(self, ptrs, mask, other, cache_policy, is_volatile):
+    # The arguments after the mask differ between Triton releases (3.6: cache_modifier and
+    # eviction_policy, 3.9: cache_policy) and pass through untouched.
+    def load_checked(self, ptrs, mask, *rest, **options):
         kept = report.check("load", ptrs.data, mask.data, width(ptrs))
         mask = interpreter.TensorHandle(np.ascontiguousarray(kept), mask.dtype)
-        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return load(self, ptrs, mask, *rest, **options)
 
-    def store_checked(self, ptrs, value, mask, cache_policy):
+    def store_checked(self, ptrs, value, mask, *rest, **options):
         # The interpreter copies each value's own bytes (its numpy itemsize) to the address,
         # so a value wider than the pointer's element would write past it.
         written = max(width(ptrs), value.data.dtype.itemsize)
@@ -167,7 +171,7 @@ def checked() -> Iterator[Report]:
                                      f"{width(ptrs)}")
         kept = report.check("store", ptrs.data, mask.data, written)
         mask = interpreter.TensorHandle(np.ascontiguousarray(kept), mask.dtype)
-        return store(self, ptrs, value, mask, cache_policy)
+        return store(self, ptrs, value, mask, *rest, **options)
 
     def unchecked(name, original):
         def refused(self, *args, **kwargs):
@@ -177,7 +181,8 @@ def checked() -> Iterator[Report]:
 
         return refused
 
-    saved = {name: getattr(builder, name) for name in UNCHECKED}
+    # Each release's interpreter has its own set (3.6 has no atomic load, store or poll).
+    saved = {name: getattr(builder, name) for name in UNCHECKED if hasattr(builder, name)}
     executor._init_args_hst = init_args_checked
     builder.create_masked_load, builder.create_masked_store = load_checked, store_checked
     for name, original in saved.items():
