@@ -87,4 +87,4 @@ def test_truncated_gzip_is_refused(data, inputs, tmp_path):
     broken = tmp_path / "broken.jsonl.gz"
     broken.write_bytes((inputs / "docs.jsonl.gz").read_bytes()[:200])
     with pytest.raises(DataError, match="not a complete gzip file"):
-        list(iter_documents(str(broken), FIELD))
+        list(iter_documents(str(broken), Reading(FIELD)))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.data import prepare, shards
-from pretrain.data.documents import Span, iter_documents
+from pretrain.data.documents import Reading, Span, iter_documents
 from pretrain.data.prepare import prepare_data
 from pretrain.data.shards import prepare_command, split_inputs
 from runtime.errors import UserError
@@ -108,9 +108,9 @@ def test_a_single_file_in_shards_merges_byte_for_byte(data, one_file, tmp_path):
     single = prepare_data([one_file], data["tokenizer"], str(tmp_path / "single"))
     out = str(tmp_path / "sharded")
     for index in (1, 0, 2):
-        done = prepare_command([one_file], data["tokenizer"], out, 1, "text", 3, index, False)
+        done = prepare_command([one_file], data["tokenizer"], out, 1, Reading(), 3, index, False)
         assert done["documents"] > 0
-    merged = prepare_command([one_file], data["tokenizer"], out, 1, "text", 3, None, False)
+    merged = prepare_command([one_file], data["tokenizer"], out, 1, Reading(), 3, None, False)
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"sharded{suffix}").read_bytes() == \
             (tmp_path / f"single{suffix}").read_bytes()
@@ -126,7 +126,7 @@ def test_a_single_file_in_shards_merges_byte_for_byte(data, one_file, tmp_path):
 
 def test_files_cut_into_more_shards_than_files_merge_byte_for_byte(data, few_files, tmp_path):
     prepare_data(few_files, data["tokenizer"], str(tmp_path / "single"))
-    prepare_command(few_files, data["tokenizer"], str(tmp_path / "cut"), 1, "text", 7, None,
+    prepare_command(few_files, data["tokenizer"], str(tmp_path / "cut"), 1, Reading(), 7, None,
                     False)
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"cut{suffix}").read_bytes() == \
@@ -156,11 +156,11 @@ def test_merged_shards_equal_one_process_byte_for_byte(data, inputs, tmp_path, m
     out = str(tmp_path / "sharded")
     glob = str(Path(inputs[0]).parent / "part*.jsonl")
     for index in (2, 0):  # array tasks, in any order, each in its own call
-        prepare_command([glob], data["tokenizer"], out, 1, "text", 3, index, False)
+        prepare_command([glob], data["tokenizer"], out, 1, Reading(), 3, index, False)
     calls = []
     real = shards.prepare_data
     monkeypatch.setattr(shards, "prepare_data", lambda *a: calls.append(a) or real(*a))
-    merged = prepare_command([glob], data["tokenizer"], out, 1, "text", 3, None, False)
+    merged = prepare_command([glob], data["tokenizer"], out, 1, Reading(), 3, None, False)
     assert [Path(call[2]).name for call in calls] == ["shard-00001"]  # 0 and 2 were complete
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"sharded{suffix}").read_bytes() == \
@@ -176,7 +176,7 @@ def test_merged_shards_equal_one_process_byte_for_byte(data, inputs, tmp_path, m
 
 def test_a_blend_keeps_the_shards_with_their_sizes_as_weights(data, inputs, tmp_path):
     out = str(tmp_path / "blend")
-    summary = prepare_command(inputs, data["tokenizer"], out, 1, "text", 2, None, True)
+    summary = prepare_command(inputs, data["tokenizer"], out, 1, Reading(), 2, None, True)
     assert summary["prefixes"] == [f"{out}.shards/shard-00000", f"{out}.shards/shard-00001"]
     sizes = [Path(p + ".bin").stat().st_size // 2 for p in summary["prefixes"]]
     assert summary["weights"] == sizes and summary["tokens"] == sum(sizes)
@@ -185,14 +185,14 @@ def test_a_blend_keeps_the_shards_with_their_sizes_as_weights(data, inputs, tmp_
 def test_a_killed_shard_is_redone_and_an_incomplete_set_not_merged(data, inputs, tmp_path,
                                                                   monkeypatch):
     out = str(tmp_path / "k")
-    prepare_command(inputs, data["tokenizer"], out, 1, "text", 2, 1, False)
+    prepare_command(inputs, data["tokenizer"], out, 1, Reading(), 2, 1, False)
     first = shards.shard_prefix(out, 0)
     Path(first).parent.mkdir(exist_ok=True)
     Path(first + ".bin").write_bytes(b"half")  # renamed into place, record never written
     with pytest.raises(UserError, match="1 of 2 shards are not complete"):
         shards.merge([first, shards.shard_prefix(out, 1)], out, data["tokenizer"])
     monkeypatch.setattr(prepare, "CHUNK_DOCUMENTS", 16)
-    prepare_command(inputs, data["tokenizer"], out, 1, "text", 2, None, False)
+    prepare_command(inputs, data["tokenizer"], out, 1, Reading(), 2, None, False)
     single = prepare_data(inputs, data["tokenizer"], str(tmp_path / "single"))
     assert Path(out + ".bin").stat().st_size == single["tokens"] * 2
 
@@ -200,7 +200,7 @@ def test_a_killed_shard_is_redone_and_an_incomplete_set_not_merged(data, inputs,
 def test_a_glob_that_matches_nothing_is_one_line(data, tmp_path):
     with pytest.raises(UserError) as info:
         prepare_command([str(tmp_path / "none*.jsonl")], data["tokenizer"],
-                        str(tmp_path / "o"), 1, "text", None, None, False)
+                        str(tmp_path / "o"), 1, Reading(), None, None, False)
     assert str(info.value) == f"prepare-data input '{tmp_path}/none*.jsonl' matches no file"
 
 

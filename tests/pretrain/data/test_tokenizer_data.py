@@ -178,7 +178,8 @@ def test_prepare_data_reads_back(tokenizers, corpus, tmp_path, monkeypatch):
     two = prepare_data(inputs, tok.path, str(tmp_path / "w2"), workers=2)
     expected = [tok.encode(doc) + [tok.eod] for doc in documents]
     assert one == {"documents": len(documents), "tokens": sum(map(len, expected)),
-                   "dtype": "uint16", "prefix": str(tmp_path / "w1"), "empty_skipped": 0}
+                   "dtype": "uint16", "prefix": str(tmp_path / "w1"), "empty_skipped": 0,
+                   "plain_text": {"cut_at_blank_lines": 1, "one_document_each": 0}}
     assert two["tokens"] == one["tokens"]
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
