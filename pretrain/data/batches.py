@@ -25,6 +25,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from model.documents import attention_mask, document_ids
 from pretrain.config import Config, ValidSet, valid_sets
+from pretrain.data.batch_ids import check_batch
 from pretrain.data.position import START, DataPosition
 from runtime import device
 
@@ -118,17 +119,20 @@ def drop_damaged_cache(folder: Path) -> None:
                 member.unlink(missing_ok=True)
 
 
-def _collate(samples: list[dict], dataset_config: GPTDatasetConfig) -> dict[str, torch.Tensor]:
-    """One micro-batch on the compute device. With document attention (the dataset's
-    ``reset_attention_mask``, created from data.document_attention) it carries the document
-    ids as the model's attention mask (model.documents): megatron would build an s x s mask
-    per sample instead."""
+def _collate(samples: list[dict], dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """One micro-batch (``samples``: items ``indices`` of ``dataset``) on the compute device,
+    its token ids checked on the host first (pretrain.data.batch_ids), so an id outside the
+    vocabulary is refused naming its file, not met in the embedding. With document attention
+    (the dataset's ``reset_attention_mask``, created from data.document_attention) it carries
+    the document ids as the model's attention mask (model.documents): megatron would build an
+    s x s mask per sample instead."""
     keys = ("tokens", "labels", "loss_mask", "position_ids")
+    host = {k: torch.stack([s[k] for s in samples]) for k in keys}
+    check_batch(host, dataset, indices)
     target = device.compute_device()
-    batch = {k: torch.stack([s[k] for s in samples]).to(target, non_blocking=True)
-             for k in keys}
-    if dataset_config.reset_attention_mask:
-        ids = document_ids(batch["tokens"], dataset_config.tokenizer.eod)
+    batch = {k: v.to(target, non_blocking=True) for k, v in host.items()}
+    if dataset.config.reset_attention_mask:
+        ids = document_ids(batch["tokens"], dataset.config.tokenizer.eod)
         batch["attention_mask"] = attention_mask(ids)
     return batch
 
@@ -136,13 +140,14 @@ def _collate(samples: list[dict], dataset_config: GPTDatasetConfig) -> dict[str,
 def step_microbatches(dataset, start: int, global_batch: int,
                       micro_batch: int) -> Iterator[dict]:
     """This rank's micro-batches of the global batch of samples [start, start + global_batch)
-    (sample-index arithmetic only)."""
+    (sample-index arithmetic only), each checked before it is yielded, so before its
+    forward."""
     dp = parallel_state.get_data_parallel_world_size()
     rank = parallel_state.get_data_parallel_rank()
     for offset in range(0, global_batch, micro_batch * dp):
         first = start + offset + rank * micro_batch
-        yield _collate([dataset[i % len(dataset)] for i in range(first, first + micro_batch)],
-                       dataset.config)
+        indices = [i % len(dataset) for i in range(first, first + micro_batch)]
+        yield _collate([dataset[i] for i in indices], dataset, indices)
 
 
 def microbatches_per_step(global_batch: int, micro_batch: int) -> int:

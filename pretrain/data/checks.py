@@ -18,7 +18,9 @@ and ``eval``), and each check it makes is below it in this file.
 
 Every failure is one DataError or ConfigError line naming the file or field, the rule and the
 value. Every check costs the same at any corpus size: the token ids come from the record,
-scanned once when there is none. What a training start logs here: the epochs of each prefix
+scanned once when there is none; since the record is trusted while the .bin keeps its size and
+time, every micro-batch's ids are checked again where they are read
+(:mod:`pretrain.data.batch_ids`). What a training start logs here: the epochs of each prefix
 (:mod:`pretrain.data.epochs`).
 """
 
