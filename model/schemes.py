@@ -102,6 +102,13 @@ class Traits:
     streams a mixing reads. ``tests/bench/test_saved_activations.py`` holds every scheme's
     estimate to the tensors autograd keeps."""
 
+    fp32: tuple[str, ...] = ()
+    """The scheme's own modules (by attribute name) that compute in fp32 whatever the
+    activation dtype, their outputs rounded once to it: the one list of a scheme's fp32
+    computations. ``tests/model/test_precision.py`` holds each to its fp32 computation in a
+    bf16 model, and the Hugging Face remote code keeps their weights in fp32 when a model loads
+    in bf16 (``FP32_MODULES`` of its configuration, generated from this)."""
+
     @property
     def head_norms(self) -> bool:
         """Attention normalises Q and K per head (and V too under ``qkv_norm``)."""
@@ -131,7 +138,7 @@ class ResidualScheme(StrEnum):
     SIAMESE_HYBRID = "siamese_hybrid", Traits(
         two_stream=True, streams=_two, qkv_norm=True, final=FinalNorm.MERGE,
         fields=(*_SIAMESE_FIELDS, "hybrid_first_block"),
-        blocks_differ=_with_prenorm_first_block, stream_values=_values(3))
+        blocks_differ=_with_prenorm_first_block, stream_values=_values(3), fp32=("attn_gate",))
     # h <- N(alpha h + F(h)); branch weights initialised down by beta (its own depth scaling)
     DEEPNORM = "deepnorm", Traits(final=FinalNorm.NONE, depth_scaled_output_init=False)
     # QKV-norm attention, Post-Norm around the MLP; final norm
@@ -151,7 +158,8 @@ class ResidualScheme(StrEnum):
     # Manifold-constrained hyper-connections: n streams mixed by a doubly stochastic H_res,
     # read through H_pre, written through H_post; summed at the end, then a norm
     MHC = "mhc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME,
-                        fields=("hc_rate", "mhc_sinkhorn_iterations"), stream_values=_mhc_values)
+                        fields=("hc_rate", "mhc_sinkhorn_iterations"), stream_values=_mhc_values,
+                        fp32=("attn_mhc", "mlp_mhc"))
 
 
 def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:

@@ -111,9 +111,9 @@ class ManifoldConnection(torch.nn.Module):
             # Under sequence parallelism each TP rank sees other tokens: partial gradients.
             mark_sequence_parallel(param, config)
 
-    def mappings(self, X: torch.Tensor):
+    def forward(self, X: torch.Tensor):
         """(H_pre [.., n], H_post [.., n], H_res [.., n, n]) for streams X [s, b, n, C], in
-        X's dtype (computed in fp32)."""
+        X's dtype (computed in fp32 from the product, ``Traits.fp32``)."""
         n = self.rate
         flat = X.flatten(-2)
         mean_square = torch.linalg.vector_norm(flat, dim=-1, keepdim=True,
@@ -143,7 +143,7 @@ class ManifoldHyperConnectionLayer(SchemeLayer):
         self.mlp_mhc = ManifoldConnection(self.config, rate, iterations)
 
     def sublayer(self, X: torch.Tensor, mhc: ManifoldConnection, norm, branch) -> torch.Tensor:
-        pre, post, res = mhc.mappings(X)
+        pre, post, res = mhc(X)
         r = branch(norm((pre.unsqueeze(-1) * X).sum(-2)))
         return res @ X + post.unsqueeze(-1) * r.unsqueeze(-2)
 

@@ -99,3 +99,27 @@ def test_sweep_cell_counts_in_the_docs_are_the_presets():
     assert {c[1] for c in claims} >= {"configs/sweep/cpu.toml", "configs/sweep/gpu.toml"}
     for where, preset, count in claims:
         assert len(load_preset(ROOT / preset)[2]) == count, (where, preset, count)
+
+
+def test_generated_scheme_lists_are_the_registrys():
+    """Every generated list (``pretrain/report/scheme_lists.py``) is what the registry gives
+    now; a stale one fails naming every stale file and the command that rewrites them."""
+    from pretrain.report import scheme_lists
+
+    stale = scheme_lists.stale()
+    assert not stale, (f"scheme lists out of date with model/schemes.py: {', '.join(stale)}; "
+                       f"rewrite them: {scheme_lists.COMMAND}")
+
+
+def test_the_list_check_finds_a_stale_list_and_the_command_rewrites_it(tmp_path):
+    from pretrain.report import scheme_lists
+
+    for name in scheme_lists.FILES:
+        copy = tmp_path / name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text((ROOT / name).read_text().replace('"mhc"', '"gated"'))
+    assert scheme_lists.stale(root=tmp_path) == list(scheme_lists.FILES)
+    scheme_lists.stale(write=True, root=tmp_path)
+    assert scheme_lists.stale(root=tmp_path) == []
+    for name in scheme_lists.FILES:
+        assert (tmp_path / name).read_text() == (ROOT / name).read_text()

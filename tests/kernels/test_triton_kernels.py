@@ -647,11 +647,13 @@ def test_interpreter_truncates_to_bf16_unless_told_to_round():
     assert torch.equal(triton_ops.norm(x, w, None, 1e-5, True).float(), truncated)
 
 
-@pytest.mark.parametrize("scheme", ["siamese", "siamese_hybrid", "post"])
+@pytest.mark.parametrize("scheme", [s.value for s in ResidualScheme])
 def test_whole_model_fused_matches_torch_in_bf16_after_training(single_rank, device, scheme):
-    """A small trained model: the fused model in bf16 is within bf16 rounding of the fp32
-    reference, per tensor no further from it than the torch model in bf16 plus one rounding
-    and chance, and its loss within the mean's bound (tests/bf16_parity.py). On a CPU the
+    """Every registered scheme, a small trained model: the fused model in bf16 is within bf16
+    rounding of the fp32 reference, per tensor no further from it than the torch model in
+    bf16 plus one rounding and chance, and its loss within the mean's bound
+    (tests/bf16_parity.py). Schemes without fused kernels of their own still run the fused
+    norms (and Q/K head norms) in their own places. On a CPU the
     kernels run in the interpreter, made to round as a GPU does; on a GPU they are compiled."""
     cfg, tokens = small_bf16_model(scheme)
     with bf16_parity.interpreter_rounds_to_nearest():
@@ -704,11 +706,11 @@ def gpu_bf16_model(scheme: str):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["siamese", "siamese_hybrid", "post", "hybridnorm"])
+@pytest.mark.parametrize("scheme", [s.value for s in ResidualScheme])
 def test_gpu_whole_model_fused_matches_torch_in_bf16(single_rank, device, scheme):
-    """At the 1.3B preset's width, trained until its loss is half of ln V: the compiled fused
-    kernels in bf16 against the torch model in bf16 and the fp32 reference, per tensor
-    (tests/bf16_parity.py)."""
+    """Every registered scheme at the 1.3B preset's width, trained until its loss is half of
+    ln V: the compiled fused kernels in bf16 against the torch model in bf16 and the fp32
+    reference, per tensor (tests/bf16_parity.py)."""
     cfg, tokens = gpu_bf16_model(scheme)
     parity = fused_parity(cfg, tokens, GPU_LR)
     print(f"\n{scheme}: {parity.summary('fused', 'torch')}")

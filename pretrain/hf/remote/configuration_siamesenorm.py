@@ -41,8 +41,17 @@ def check_transformers():
 
 check_transformers()
 
+# <generated: remote-schemes> python -m pretrain.report.scheme_lists --write
 SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc",
            "periln", "olmo2", "mhc")
+"""The residual schemes this code builds (``ResidualScheme``, in its order)."""
+FP32_MODULES = {
+    "siamese_hybrid": ("attn_gate",),
+    "mhc": ("attn_mhc", "mlp_mhc"),
+}
+"""Per scheme, the modules that compute in fp32 (``Traits.fp32``): their weights stay fp32
+when a model loads in bf16 or fp16 (``_keep_in_fp32_modules_strict``)."""
+# </generated>
 
 
 class SiameseNormConfig(_Config):

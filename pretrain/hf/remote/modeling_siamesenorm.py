@@ -14,9 +14,10 @@ Every scheme keeps its residual streams in a small state and shares one attentio
 Conventions that matter for equality with the training framework: Q, K and V come from one
 projection laid out per K/V group (that group's query heads, its key head, its value head);
 per-head Q/K/V norms (siamese_hybrid, hybridnorm; Q/K only for olmo2) act before RoPE; RoPE
-rotates halves; the SwiGLU projection holds [gate | up]; norms compute in fp32; SiameseNorm's
-channel gate stays fp32. The KV cache holds keys and values only: every other quantity is per
-token, so cached generation computes exactly what a full forward does.
+rotates halves; the SwiGLU projection holds [gate | up]; norms compute in fp32; the modules of
+``FP32_MODULES`` (SiameseNorm's channel gate, mHC's mappings) keep fp32 weights. The KV cache
+holds keys and values only: every other quantity is per token, so cached generation computes
+exactly what a full forward does.
 """
 
 import dataclasses
@@ -30,7 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_siamesenorm import SiameseNormConfig
+from .configuration_siamesenorm import FP32_MODULES, SiameseNormConfig
 
 # DynamicCache takes the model config (for per-layer cache types) since transformers 5.0
 CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
@@ -520,11 +521,12 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        # SiameseNorm's channel gate stays fp32 when the model loads in bf16 or fp16 ("strict":
-        # bf16 too). Named only where the scheme has one: transformers 4.x refuses a name that
-        # is not among the model's modules.
-        if config.residual_scheme == "siamese_hybrid":
-            self._keep_in_fp32_modules_strict = ["attn_gate"]
+        # The scheme's fp32 modules (SiameseNorm's channel gate, mHC's mappings) keep fp32
+        # weights when the model loads in bf16 or fp16 ("strict": bf16 too). Named only where
+        # the scheme has some: transformers 4.x refuses a name that is not among the model's
+        # modules.
+        if FP32_MODULES.get(config.residual_scheme):
+            self._keep_in_fp32_modules_strict = list(FP32_MODULES[config.residual_scheme])
 
     def _init_weights(self, module):
         """Only for weights a checkpoint lacks: normal(0, initializer_range) matrices; norms,

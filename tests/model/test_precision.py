@@ -1,0 +1,96 @@
+"""Every registered scheme's fp32 computations (``Traits.fp32``, the one list of them) compute
+in fp32 in a bf16 model.
+
+A computation meant for fp32 and done in bf16 passes every other test: the equations are
+checked in fp32, and the bf16 parity tests compare two bf16 paths that may round the same
+way. Here each declared module of a bf16 model (every parameter moved off its start, fp32
+weights off the bf16 grid) is called again, on the inputs it was given, as an fp32 copy; its
+bf16 output must be that fp32 result rounded once. One rounding has a known size: the RMS
+relative error of the fp32 result rounded to the output's dtype. A module that rounds
+intermediates as well (a gate's weight rounded to bf16 before the product, a sigmoid's input
+before the sigmoid) is further off: two independent roundings are sqrt(2) times one, in
+RMS. The bound allows 1.25 times one rounding (mHC's mappings, whose product is taken in
+the activation dtype on purpose, measure about 1.0), and a module declared that the model
+does not have fails too.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from model.builder import build_model
+from model.config import ParallelConfig
+from model.schemes import ResidualScheme
+from tests.helpers import perturb_every_parameter, tiny_model
+
+ONE_ROUNDING = 1.25
+"""How many times one rounding's RMS error a declared module's output may be off its fp32
+computation (module docstring)."""
+
+
+def rms_rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def as_fp32(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    if isinstance(value, (tuple, list)):
+        return type(value)(as_fp32(v) for v in value)
+    return value
+
+
+def outputs(value) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def declared_calls(scheme: ResidualScheme):
+    """[(module name, module, args, kwargs, output)] of every call of a declared module in one
+    forward pass of the scheme's bf16 model."""
+    cfg = tiny_model(scheme.value, num_layers=2, hidden_size=64, num_attention_heads=4,
+                     seq_length=64)
+    [model] = build_model(cfg, ParallelConfig(), torch.bfloat16, norm_backend="torch", seed=0)
+    perturb_every_parameter(model)
+    calls, hooks = [], []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in scheme.traits.fp32:
+            def hook(module, args, kwargs, output, name=name):
+                calls.append((name, module, args, kwargs, output))
+            hooks.append(module.register_forward_hook(hook, with_kwargs=True))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                           generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(cfg.seq_length).expand_as(tokens)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(tokens.to(device), positions.to(device), None)
+    for handle in hooks:
+        handle.remove()
+    return calls
+
+
+@pytest.mark.parametrize("scheme", list(ResidualScheme), ids=str)
+def test_declared_fp32_computations_round_once(single_rank, scheme):
+    if not scheme.traits.fp32:
+        return  # nothing this scheme computes in fp32 on purpose: nothing to hold
+    calls = declared_calls(scheme)
+    seen = {name.rsplit(".", 1)[-1] for name, *_ in calls}
+    assert seen == set(scheme.traits.fp32), \
+        f"{scheme}: Traits.fp32 names {sorted(set(scheme.traits.fp32) - seen)}, which the " \
+        "model has no module of (or never calls): model/schemes.py"
+    for name, module, args, kwargs, output in calls:
+        exact = copy.deepcopy(module).float()
+        with torch.no_grad():
+            want = outputs(exact(*as_fp32(args), **as_fp32(kwargs)))
+        for i, (got, fp32) in enumerate(zip(outputs(output), want, strict=True)):
+            once = rms_rel(fp32.to(got.dtype), fp32)
+            err = rms_rel(got, fp32)
+            assert err <= ONE_ROUNDING * once + 1e-6, (
+                f"{scheme}: {name} (output {i}, {got.dtype}) is {err / max(once, 1e-30):.2f} "
+                f"roundings off its fp32 computation, not one: Traits.fp32 declares it fp32, so "
+                "compute it in fp32 and round its output once (or take it out of Traits.fp32)")
+
