@@ -8,10 +8,24 @@ of the corpus, which at 100B tokens would be minutes per node at every start.
 
 ``prepare-data`` writes it. A dataset made elsewhere (Megatron-LM's preprocessing, an older
 version of this framework) has none: the first start scans its tokens once and records the
-result without a tokenizer, so later starts are as fast and the tokenizer stays unknown. A
-record whose files changed is not trusted: a ``.bin`` with another size or time is scanned
-again; a ``.idx`` with other contents (another tokenisation) also loses the tokenizer. A record
-that cannot be read is refused, naming it, rather than guessed around.
+result without a tokenizer, so later starts are as fast and the tokenizer stays unknown.
+
+Every start compares the record with the files: the ``.bin``'s size and time, and the
+``.idx``'s fingerprint (at most 2 MiB read, so its contents are compared even where a copy
+kept the times). The record holds when both agree. Otherwise:
+
+- a ``.idx`` with other contents beside an unchanged ``.bin`` is refused: the pair no longer
+  belongs together (another dataset's index, a restored or half-copied file), and the counts
+  and ids the record gives could be another dataset's; the refusal says what changed and the
+  fix (prepare again, or delete the record when the change was deliberate);
+- a ``.bin`` with another time (or size) and the same ``.idx`` is scanned again and keeps its
+  tokenizer (a copy without ``-p``);
+- both changed (another dataset under the same name): one warning saying what changed, a scan,
+  and the tokenizer is no longer known.
+
+A record that cannot be read is refused, naming it, rather than guessed around. The ids a
+record gives are checked again where batches are read (:mod:`pretrain.data.batch_ids`): a
+``.bin`` rewritten in place with its time kept is not seen here.
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -47,7 +61,9 @@ def path_of(prefix: str) -> Path:
 def fingerprint(prefix: str) -> str:
     """A short content hash of a dataset: the sizes of .bin and .idx and the head and tail of
     the .idx (its header and the document table). Cheap for any corpus size, and different
-    for any other tokenisation or document set in practice."""
+    for any other tokenisation or document set in practice. Every start compares it with the
+    record's, so changing how it is computed needs a new VERSION (old records would otherwise
+    be refused as another dataset's index)."""
     digest = hashlib.sha256()
     idx = prefix + ".idx"
     size = os.path.getsize(idx)
@@ -146,32 +162,83 @@ def _exclusive(prefix: str):
         yield
 
 
-def _still_valid(record: dict[str, Any] | None, prefix: str) -> bool:
-    """Whether ``record`` describes the files as they are now."""
-    return record is not None and record["files"] == file_state(prefix)
+class Change(NamedTuple):
+    """How the files of a prefix differ from its record."""
+
+    bin: bool  # the .bin's size or modification time is not the recorded one
+    index: bool  # the .idx's fingerprint is not the recorded one
+
+
+def compare(stored: dict[str, Any], prefix: str) -> Change:
+    return Change(stored["files"]["bin"] != file_state(prefix)["bin"],
+                  stored["idx_fingerprint"] != fingerprint(prefix))
+
+
+def _trusted(stored: dict[str, Any] | None, prefix: str, tokens: int, documents: int) -> bool:
+    """Whether ``stored`` describes ``prefix`` now (``tokens`` and ``documents``: its .idx's
+    counts). An index changed under an unchanged .bin is refused: the pair no longer belongs
+    together, and nothing the record says can be trusted for it."""
+    if stored is None:
+        return False
+    change = compare(stored, prefix)
+    if change.index and not change.bin:
+        path = path_of(prefix)
+        raise DataError(
+            f"data prefix '{prefix}': '{prefix}.idx' is not the index its record '{path}' was "
+            f"made with ({_index_change(stored, tokens, documents)}) while '{prefix}.bin' is "
+            "unchanged (the recorded size and time): the index belongs to other data; prepare "
+            f"the data again, or, if the change was deliberate, delete '{path}' and the next "
+            "start scans the dataset again")
+    return not (change.bin or change.index)
+
+
+def _index_change(stored: dict[str, Any], tokens: int, documents: int) -> str:
+    """What differs in an index from its record: the counts first, else only the contents."""
+    counts = [(documents, stored["documents"], "documents"), (tokens, stored["tokens"], "tokens")]
+    changed = [f"{now:,} {what}, recorded {then:,}" for now, then, what in counts if now != then]
+    if changed:
+        return "; ".join(changed)
+    return f"the same {documents:,} documents and {tokens:,} tokens, other contents"
+
+
+def _bin_change(stored: dict[str, Any], prefix: str) -> str:
+    (size, _), (then, _) = file_state(prefix)["bin"], stored["files"]["bin"]
+    return f"{size:,} bytes, recorded {then:,}" if size != then else "another modification time"
+
+
+def _kept_tokenizer(stored: dict[str, Any] | None, prefix: str, tokens: int,
+                    documents: int) -> dict[str, Any] | None:
+    """The tokenizer a fresh scan of ``prefix`` keeps from the record ``stored`` it replaces
+    (the same index: the same tokenisation), saying why it scans."""
+    if stored is None:
+        log.info("data prefix %s has no record (%s): scanning its %s tokens once",
+                 prefix, SUFFIX, f"{tokens:,}")
+        return None
+    if not compare(stored, prefix).index:
+        log.info("data record %s: %s.bin has %s, %s.idx the recorded contents; scanning its "
+                 "%s tokens again", path_of(prefix), prefix, _bin_change(stored, prefix),
+                 prefix, f"{tokens:,}")
+        return stored["tokenizer"]
+    log.warning("data prefix %s changed since its record %s: %s.idx (%s) and %s.bin (%s); "
+                "scanning its %s tokens again, the tokenizer that made it is no longer known",
+                prefix, path_of(prefix), prefix, _index_change(stored, tokens, documents),
+                prefix, _bin_change(stored, prefix), f"{tokens:,}")
+    return None
 
 
 def current(prefix: str, tokens: np.ndarray, documents: int) -> dict[str, Any]:
     """The record describing ``prefix`` now: the stored one when its files are unchanged,
-    else a fresh scan, recorded for the next start where the folder is writable."""
-    stored = read(prefix)
-    if _still_valid(stored, prefix):
+    else a fresh scan, recorded for the next start where the folder is writable (the module's
+    docstring: which changes are refused, warned of or scanned quietly)."""
+    count, stored = len(tokens), read(prefix)
+    if _trusted(stored, prefix, count, documents):
         return stored
     with _exclusive(prefix):
         stored = read(prefix)  # another rank may have recorded it while this one waited
-        if _still_valid(stored, prefix):
+        if _trusted(stored, prefix, count, documents):
             return stored
-        tokenizer = None
-        if stored is not None:
-            same_tokens = stored["idx_fingerprint"] == fingerprint(prefix)
-            tokenizer = stored["tokenizer"] if same_tokens else None
-            log.info("data record %s describes other files than %s.bin/.idx (%s); scanning "
-                     "its %s tokens again", path_of(prefix), prefix,
-                     "times changed" if same_tokens else "contents changed", f"{len(tokens):,}")
-        else:
-            log.info("data prefix %s has no record (%s): scanning its %s tokens once",
-                     prefix, SUFFIX, f"{len(tokens):,}")
-        fresh = make(prefix, len(tokens), documents, scan(tokens))
+        tokenizer = _kept_tokenizer(stored, prefix, count, documents)
+        fresh = make(prefix, count, documents, scan(tokens))
         fresh["tokenizer"] = tokenizer
         try:
             write(prefix, fresh)
