@@ -40,7 +40,11 @@ from megatron.core.dist_checkpointing.validation import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from runtime.errors import CheckpointError
 
@@ -171,9 +175,25 @@ class LoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):
         return loaded
 
     def load_tensors_metadata(self, checkpoint_dir, metadata: Metadata | None = None):
+        """megatron's own (each tensor's global shape and dtype, data-free), made here: it
+        passes every field of torch's TensorProperties to ``torch.empty``, and torch 2.15
+        added one (``strides``) that ``torch.empty`` does not take."""
         if metadata is None:
             metadata = read_index(Path(checkpoint_dir) / INDEX)
-        return super().load_tensors_metadata(checkpoint_dir, metadata)
+        return {key: ShardedTensor.from_rank_offsets(key, torch.empty(
+                    stored.size, device="meta", **_empty_arguments(stored.properties))
+                ).without_data()
+                for key, stored in metadata.state_dict_metadata.items()
+                if isinstance(stored, TensorStorageMetadata)}
+
+
+# What torch.empty takes of a checkpoint's TensorProperties (it has more fields in newer torch).
+_EMPTY_ARGUMENTS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+
+def _empty_arguments(properties) -> dict:
+    return {name: getattr(properties, name) for name in _EMPTY_ARGUMENTS
+            if getattr(properties, name, None) is not None}
 
 
 def common_state(directory: Path) -> dict:
