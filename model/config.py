@@ -64,8 +64,9 @@ class ModelConfig:
     """Shape and residual scheme of a decoder-only transformer."""
 
     residual_scheme: ResidualScheme = ResidualScheme.SIAMESE
-    """pre | post | siamese | siamese_hybrid | deepnorm | hybridnorm | mixln | hc | periln |
-    olmo2 | mhc (each scheme's equations are in its layer's docstring, model/layers)."""
+    """Which residual scheme the blocks follow, one of ``ResidualScheme`` (model/schemes.py;
+    the reference lists them from it); each scheme's equations are in its layer's docstring,
+    model/layers (one file per scheme)."""
     num_layers: int = 2
     """Transformer blocks, each an attention and an MLP sublayer (L in the schemes'
     equations); parallel.pp x parallel.vp must divide it."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+# <generated: layer-files> python -m pretrain.report.scheme_lists --write
 from model.layers import (
     deepnorm,
     hc,
@@ -38,3 +39,4 @@ SCHEME_FILES: dict[ResidualScheme, ModuleType] = {
     ResidualScheme.OLMO2: olmo2,
     ResidualScheme.MHC: mhc,
 }
+# </generated>

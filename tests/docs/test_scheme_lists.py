@@ -29,7 +29,9 @@ def table_schemes(page: Path) -> list[str]:
 
 @pytest.mark.parametrize("page", ["README.md", "docs/schemes.md"])
 def test_equation_tables_list_every_scheme(page):
-    assert table_schemes(ROOT / page) == REGISTERED
+    assert table_schemes(ROOT / page) == REGISTERED, (
+        f"{page}: the equation table's schemes are not ResidualScheme's (model/schemes.py): "
+        f"give each scheme its row, with its equations, in the registry's order {REGISTERED}")
 
 
 def test_shell_loops_over_schemes_name_every_scheme():
@@ -38,14 +40,19 @@ def test_shell_loops_over_schemes_name_every_scheme():
              for m in re.finditer(r"for scheme in ([\w ]+); do", page.read_text())]
     assert loops, "no loop over schemes found"
     for page, names in loops:
-        assert names == REGISTERED, page
+        assert names == REGISTERED, (f"{page}: a loop over schemes is stale; rewrite it: "
+                                     "python -m pretrain.report.scheme_lists --write")
 
 
-def test_config_docstring_lists_every_scheme():
+def test_config_docstring_leaves_the_list_to_the_registry():
+    """``residual_scheme``'s docstring names the registry instead of listing the schemes (the
+    config reference lists them from ``ResidualScheme``, docs/config.md)."""
     source = (ROOT / "model" / "config.py").read_text()
-    listed = re.search(r'residual_scheme: ResidualScheme = .*\n\s*"""([^(]*)\(', source)
-    assert listed, "model/config.py: residual_scheme's docstring not found"
-    assert [s.strip() for s in listed.group(1).split("|")] == REGISTERED
+    doc = re.search(r'residual_scheme: ResidualScheme = [^\n]*\n\s*"""(.*?)"""', source,
+                    re.DOTALL)
+    assert doc, "model/config.py: residual_scheme's docstring not found"
+    assert "``ResidualScheme``" in doc.group(1)
+    assert len(set(re.findall(r"\w+", doc.group(1))) & set(REGISTERED)) <= 1, doc.group(1)
 
 
 def test_preset_count_and_scheme_list_in_parallelism_doc():
@@ -60,8 +67,10 @@ def test_preset_count_and_scheme_list_in_parallelism_doc():
                       r"`model/schemes.py`\): (\d+) presets, (\d+) per scheme", text)
     assert found, "docs/parallelism.md: the sentence on the paper's presets not found"
     names = [n.strip(" `") for n in found.group(1).split(",")]
-    assert names == REGISTERED
-    assert (int(found.group(2)), int(found.group(3))) == (len(presets), per_scheme)
+    fix = ("docs/parallelism.md: the presets sentence is stale; run python configs/paper/"
+           "generate.py, then python -m pretrain.report.scheme_lists --write")
+    assert names == REGISTERED, fix
+    assert (int(found.group(2)), int(found.group(3))) == (len(presets), per_scheme), fix
 
 
 @pytest.mark.parametrize("where", ["dry-run docstring", "docs/memory.md"])
@@ -79,7 +88,10 @@ def test_per_layer_memory_summaries_name_every_scheme(where):
     sentence = text[start:text.index(" per layer" if where == "docs/memory.md" else "(2f less",
                                      start)]
     named = set(re.findall(r"\b[a-z][a-z0-9_]*\b", sentence)) & set(REGISTERED)
-    assert named == set(REGISTERED), sorted(set(REGISTERED) - named)
+    assert named == set(REGISTERED), (
+        f"{where}: the per-layer memory sentence leaves out {sorted(set(REGISTERED) - named)}: "
+        "add each one's bytes per layer (its Traits.stream_values; measured by python -m "
+        "bench.saved_activations --schemes pre,<name>)")
 
 
 def test_sweep_cell_counts_in_the_docs_are_the_presets():
@@ -98,7 +110,9 @@ def test_sweep_cell_counts_in_the_docs_are_the_presets():
             claims.append((preset.name, f"configs/sweep/{preset.name}", int(header.group(1))))
     assert {c[1] for c in claims} >= {"configs/sweep/cpu.toml", "configs/sweep/gpu.toml"}
     for where, preset, count in claims:
-        assert len(load_preset(ROOT / preset)[2]) == count, (where, preset, count)
+        cells = len(load_preset(ROOT / preset)[2])
+        assert cells == count, (f"{where}: says {preset} runs {count} cells, it runs {cells} "
+                                f"(lab.lr_sweep.load_preset): write {cells}")
 
 
 def test_generated_scheme_lists_are_the_registrys():
@@ -111,15 +125,53 @@ def test_generated_scheme_lists_are_the_registrys():
                        f"rewrite them: {scheme_lists.COMMAND}")
 
 
-def test_the_list_check_finds_a_stale_list_and_the_command_rewrites_it(tmp_path):
+def test_the_list_check_names_every_stale_file_and_the_command_rewrites_them(tmp_path):
+    """In a copy where each list lost ``mhc`` (a block's entry, a submission loop, the presets
+    sentence's name and count), the check names every one of those files at once, and the
+    rewrite makes each what the registry gives (the same words; a sentence re-wrapped)."""
     from pretrain.report import scheme_lists
 
-    for name in scheme_lists.FILES:
+    edits = {
+        "pretrain/hf/remote/configuration_siamesenorm.py": (', "mhc")', ")"),
+        "model/layers/__init__.py": ("    ResidualScheme.MHC: mhc,\n", ""),
+        "docs/parallelism.md": ("olmo2 mhc; do", "olmo2; do"),
+        "README.md": ("", ""),
+    }
+    for path in ROOT.glob("docs/*.md"):
+        edits.setdefault(path.relative_to(ROOT).as_posix(), ("", ""))
+    for name, (old, new) in edits.items():
         copy = tmp_path / name
         copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.write_text((ROOT / name).read_text().replace('"mhc"', '"gated"'))
-    assert scheme_lists.stale(root=tmp_path) == list(scheme_lists.FILES)
+        text = (ROOT / name).read_text()
+        assert old in text, name
+        copy.write_text(text.replace(old, new, 1) if old else text)
+    sentence = tmp_path / "docs/parallelism.md"
+    sentence.write_text(sentence.read_text().replace("`olmo2`, `mhc`; the", "`olmo2`; the"))
+    stale = scheme_lists.stale(root=tmp_path)
+    assert sorted(stale) == sorted(n for n, (old, _) in edits.items() if old), stale
     scheme_lists.stale(write=True, root=tmp_path)
     assert scheme_lists.stale(root=tmp_path) == []
-    for name in scheme_lists.FILES:
-        assert (tmp_path / name).read_text() == (ROOT / name).read_text()
+    for name in stale:
+        assert (tmp_path / name).read_text().split() == (ROOT / name).read_text().split(), name
+
+
+def test_the_readmes_sweep_over_every_registered_scheme_is_one():
+    """README.md says the CPU learning-rate sweep ran "over every registered scheme": the
+    preset it names has cells for each registered scheme, and the results table it shows
+    (generated from the dated results file) has a row for each, in the registry's order."""
+    from lab.lr_sweep import load_preset
+
+    text = (ROOT / "README.md").read_text()
+    claim = re.search(r"sweep over every registered scheme\s+\(`(configs/sweep/[\w-]+\.toml)`",
+                      text)
+    assert claim, "README.md: the sentence on the sweep over every registered scheme not found"
+    swept = {cell.scheme for cell in load_preset(ROOT / claim.group(1))[2]}
+    assert swept == set(REGISTERED), (
+        f"README.md: {claim.group(1)} runs {sorted(swept)}, not every registered scheme: "
+        "give its grid schemes = \"all\"")
+    block = text[claim.end():].split("<!-- /sweep-results -->", 1)[0]
+    rows = re.findall(r"^\| (\w+) \|", block, re.MULTILINE)
+    assert [r for r in rows if r != "scheme"] == REGISTERED, (
+        "README.md: the sweep's results table does not have a row per registered scheme: run "
+        "the sweep's missing cells (python -m lab.lr_sweep --preset "
+        f"{claim.group(1)}), then python -m lab.docs_tables --write")

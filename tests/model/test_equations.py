@@ -16,7 +16,7 @@ import torch
 
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
-from model.schemes import ResidualScheme
+from model.schemes import FinalNorm, ResidualScheme
 from tests.helpers import perturb_every_parameter, tiny_model
 
 SCHEMES = [
@@ -237,15 +237,16 @@ class Reference:
                     x, y = x + r / c, y + r
                 else:
                     raise NotImplementedError(f"no equations transcribed for scheme {scheme}")
-        if scheme in ("pre", "hybridnorm", "mixln", "periln", "olmo2"):
+        end = ResidualScheme(scheme).traits.final  # the registry's kind; each written here
+        if end is FinalNorm.NORM:
             h = self.norm(h, "decoder.final_layernorm")
-        elif scheme in ("hc", "mhc"):  # the streams summed, then the final norm
+        elif end is FinalNorm.SCHEME and scheme in ("hc", "mhc"):  # summed, then the norm
             h = self.norm(H.sum(-2), "decoder.final_layernorm.final_norm")
-        elif scheme in ("siamese", "siamese_hybrid"):
+        elif end is FinalNorm.MERGE:
             f = "decoder.final_layernorm"
             h = self.norm(self.norm(x, f"{f}.x_norm") + self.norm(y, f"{f}.y_norm"),
                           f"{f}.final_norm")
-        elif scheme not in ("post", "deepnorm"):  # they end every block in a norm already
+        elif end is not FinalNorm.NONE:  # NONE: every block ends in a norm already
             raise NotImplementedError(f"no decoder end transcribed for scheme {scheme}")
         return h @ self.p["output_layer.weight"].T
 

@@ -45,6 +45,21 @@ check_transformers()
 SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc",
            "periln", "olmo2", "mhc")
 """The residual schemes this code builds (``ResidualScheme``, in its order)."""
+FINAL_NORMS = {
+    "pre": "norm",
+    "post": "none",
+    "siamese": "merge",
+    "siamese_hybrid": "merge",
+    "deepnorm": "none",
+    "hybridnorm": "norm",
+    "mixln": "norm",
+    "hc": "scheme",
+    "periln": "norm",
+    "olmo2": "norm",
+    "mhc": "scheme",
+}
+"""What closes each scheme's decoder (``Traits.final``, ``FinalNorm``): "norm", "none", "merge"
+(SiameseNorm's), or "scheme", its own."""
 FP32_MODULES = {
     "siamese_hybrid": ("attn_gate",),
     "mhc": ("attn_mhc", "mlp_mhc"),

@@ -31,7 +31,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_siamesenorm import FP32_MODULES, SiameseNormConfig
+from .configuration_siamesenorm import FINAL_NORMS, FP32_MODULES, SiameseNormConfig
 
 # DynamicCache takes the model config (for per-layer cache types) since transformers 5.0
 CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
@@ -461,16 +461,22 @@ class StreamSumNorm(nn.Module):
         return self.final_norm(H.sum(-2))
 
 
+OWN_ENDS = {"hc": StreamSumNorm, "mhc": StreamSumNorm}
+"""The decoder ends of the schemes whose end is their own (``FINAL_NORMS`` "scheme")."""
+
+
 def build_final(config) -> nn.Module:
+    """The decoder's end by its kind, ``FINAL_NORMS`` (generated from the registry)."""
     scheme = config.residual_scheme
-    if scheme in ("post", "deepnorm"):
+    kind = FINAL_NORMS.get(scheme)
+    if kind == "none":
         return nn.Identity()  # every block already ends in a norm
-    if scheme in ("siamese", "siamese_hybrid"):
+    if kind == "merge":
         return MergeNorm(config)
-    if scheme in ("hc", "mhc"):
-        return StreamSumNorm(config)
-    if scheme in ("pre", "hybridnorm", "mixln", "periln", "olmo2"):
+    if kind == "norm":
         return Norm(config, config.hidden_size)
+    if kind == "scheme" and scheme in OWN_ENDS:
+        return OWN_ENDS[scheme](config)
     raise ValueError(f"residual_scheme ({scheme!r}) has no decoder end in this remote code")
 
 
