@@ -23,7 +23,7 @@ from tests.helpers import MBS, SEQ, VOCAB, batches, perturb_every_parameter, spa
 from tests.parity_worker import MICROBATCHES, run_layout
 
 SCHEMES = ["siamese", "siamese_hybrid"]
-# Every other registered scheme: TP=2, TP=2 with SP and PP=2 (the test below)
+# Every other registered scheme, under every layout too (the test below)
 BASELINES = [s.value for s in ResidualScheme if s.value not in SCHEMES]
 LAYOUTS = {
     "tp2": dict(tp=2),
@@ -119,13 +119,14 @@ def test_layout_matches_unsharded(reference, layout, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
-    """Every registered scheme under TP, TP with sequence parallelism (a parameter outside
-    the tensor-parallel matmuls whose gradient is not summed over the TP ranks shows here)
-    and PP. Also checks that Mix-LN splits at its global block under PP: a stage that counted
-    its own blocks from 0 would build different layers and fail to load the reference
-    weights."""
+    """Every other registered scheme under every layout: TP, TP with sequence parallelism (a
+    parameter outside the tensor-parallel matmuls whose gradient is not summed over the TP
+    ranks shows here), PP, PP x VP, TP x PP and DP (each layout's ranks run every scheme in
+    one spawn: a few seconds a layout past the reference). Also checks that Mix-LN splits at
+    its global block under PP: a stage that counted its own blocks from 0 would build
+    different layers and fail to load the reference weights."""
     check_layout(reference, layout, BASELINES, tmp_path)
 
 
