@@ -23,19 +23,6 @@ from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer
 from tests.pretrain_fixtures import cli, train_args, train_losses
 
 
-@pytest.fixture
-def scans(monkeypatch) -> list[int]:
-    """The number of tokens each scan of a .bin read."""
-    counted, real = [], record.scan
-
-    def counting(tokens):
-        counted.append(len(tokens))
-        return real(tokens)
-
-    monkeypatch.setattr(record, "scan", counting)
-    return counted
-
-
 def _reordered(source: str, folder) -> str:
     """Another dataset: the documents of ``source`` in reverse order, so the same sequence
     count and token total."""

@@ -18,19 +18,6 @@ from runtime.errors import DataError
 from tests.pretrain.data.datasets import megatron_dataset, stub_tokenizer
 
 
-@pytest.fixture
-def scans(monkeypatch) -> list[int]:
-    """The number of tokens each scan of a .bin read."""
-    counted, real = [], record.scan
-
-    def counting(tokens):
-        counted.append(len(tokens))
-        return real(tokens)
-
-    monkeypatch.setattr(record, "scan", counting)
-    return counted
-
-
 def _copy(data: dict, folder) -> str:
     """The session's prepared dataset, copied with its times (so its record still holds)."""
     source = data["prefix"]
