@@ -24,10 +24,13 @@ from model.schemes import (
     Activation,
     FirstBlock,
     InitMethod,
+    LoadBalancing,
     Normalization,
     PositionEmbedding,
     Recompute,
     ResidualScheme,
+    RouterScore,
+    TokenDropPolicy,
     schemes_reading,
 )
 from runtime import device
@@ -155,6 +158,49 @@ class ModelConfig:
     project each token's residual mixing matrix H_res onto the doubly stochastic matrices
     (the paper's t_max = 20)."""
 
+    num_experts: int = 0
+    """Mixture of experts: routed experts in the MLP sublayer of each MoE block (megatron's
+    ``num_moe_experts``); 0 (the default) is a dense model and every other ``moe_*`` field
+    must stay at its default. The scheme's equations are unchanged: F of an MoE block is
+    megatron's MoE layer (router, token dispatcher, experts) instead of one MLP."""
+    moe_layer_freq: int | list[int] = 1
+    """Which blocks are MoE (megatron's ``moe_layer_freq``): k makes every k-th block MoE,
+    from block 0; a list gives one 0 (dense) or 1 (MoE) per block."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (k of top-k); at most ``num_experts``."""
+    moe_ffn_hidden_size: int | None = None
+    """Width of each routed expert's MLP (default ``ffn_hidden_size``); SwiGLU experts hold
+    a gate and a value of this width."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared expert every token also passes through (DeepSeekMoE's; megatron's
+    name), none by default. Several shared experts are one of their summed width."""
+    moe_router_load_balancing_type: LoadBalancing = LoadBalancing.AUX_LOSS
+    """aux_loss | seq_aux_loss | global_aux_loss | none: the router's balancing loss
+    (model.schemes.LoadBalancing)."""
+    moe_aux_loss_coeff: float = 1e-2
+    """Weight of the balancing loss in the training loss (megatron's default is 0; 1e-2 is
+    the Switch Transformer's and Megatron-LM's MoE examples')."""
+    moe_z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (ST-MoE's: the squared log-sum-exp of the router's logits,
+    which keeps them small); 0 turns it off, 1e-3 is ST-MoE's value."""
+    moe_router_score_function: RouterScore = RouterScore.SOFTMAX
+    """softmax | sigmoid: how the router turns its logits into scores."""
+    moe_router_enable_expert_bias: bool = False
+    """The auxiliary-loss-free balance (DeepSeek-V3): a per-expert bias added to the scores
+    for the top-k choice only, moved after each step towards the under-loaded experts by
+    ``moe_router_bias_update_rate``. Needs the sigmoid score function."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update (DeepSeek-V3's 1e-3)."""
+    moe_expert_capacity_factor: float | None = None
+    """Token dropping: each expert takes at most this factor times its even share of a
+    micro-batch's routed tokens and drops the rest (the dropped tokens' MoE output is 0;
+    the residual stream carries them). None (the default) drops nothing."""
+    moe_token_drop_policy: TokenDropPolicy = TokenDropPolicy.PROBS
+    """probs | position: which tokens an expert over its capacity drops."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor: pad every expert's input to its capacity, so the expert
+    matmuls have a fixed shape."""
+
     def __post_init__(self) -> None:
         coerce_choices("model", self)
 
@@ -167,10 +213,27 @@ class ModelConfig:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
+    def moe_expert_ffn_size(self) -> int:
+        """Width of each routed expert's MLP."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    @property
     def blocks_differ(self) -> bool:
         """Whether some blocks hold other parameters than the rest (Mix-LN's split, HybridNorm*'s
-        block 0), so checkpoints key each block by its global index instead of stacking them."""
-        return self.residual_scheme.traits.blocks_differ(self)
+        block 0, MoE blocks among dense ones), so checkpoints key each block by its global
+        index instead of stacking them."""
+        return self.residual_scheme.traits.blocks_differ(self) or len(set(self.moe_blocks)) > 1
+
+    @property
+    def moe_blocks(self) -> list[bool]:
+        """Per global block, whether its MLP sublayer is MoE (megatron's ``moe_layer_freq``:
+        every k-th block from block 0, or a 0/1 list); all False for a dense model."""
+        if not self.num_experts:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            return [bool(f) for f in freq]
+        return [index % freq == 0 for index in range(self.num_layers)]
 
     @property
     def residual_streams(self) -> int:
@@ -262,6 +325,15 @@ class ParallelConfig:
     """With full recompute: layers per checkpointed chunk."""
     distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (megatron DistributedOptimizer)."""
+    ep: int = 1
+    """Expert parallelism (megatron's ``expert_model_parallel_size``): the routed experts of
+    every MoE block are split over this many ranks, tokens travel to their experts by
+    all-to-all. Expert ranks are carved from the data-parallel ranks (and, with etp below tp,
+    the tensor-parallel ones), so ep x etp x pp must divide the world size."""
+    etp: int | None = None
+    """Expert tensor parallelism (megatron's ``expert_tensor_parallel_size``): the tensor-
+    parallel split of each expert's matrices; default parallel.tp. 1 keeps experts whole,
+    the usual choice with expert parallelism."""
 
     def __post_init__(self) -> None:
         coerce_choices("parallel", self)
@@ -270,8 +342,13 @@ class ParallelConfig:
     def model_chunks(self) -> int:
         return self.vp or 1
 
+    @property
+    def expert_tp(self) -> int:
+        """The tensor-parallel size of the experts (``etp``, default ``tp``)."""
+        return self.tp if self.etp is None else self.etp
+
     def validate(self) -> None:
-        for name in ("tp", "pp", "recompute_num_layers"):
+        for name in ("tp", "pp", "recompute_num_layers", "ep"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1,
                      f"parallel.{name} ({value!r}) must be a positive integer")
@@ -280,6 +357,9 @@ class ParallelConfig:
                      f"parallel.vp ({self.vp!r}) must be a positive integer")
             require(self.pp > 1, f"parallel.vp ({self.vp}) requires parallel.pp > 1 "
                      f"(got {self.pp})")
+        if self.etp is not None:
+            require(isinstance(self.etp, int) and not isinstance(self.etp, bool)
+                    and self.etp >= 1, f"parallel.etp ({self.etp!r}) must be a positive integer")
         require(not self.sequence_parallel or self.tp > 1,
                  f"parallel.sequence_parallel (true) requires parallel.tp > 1 (got {self.tp})")
 
@@ -307,8 +387,89 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
         require(model.seq_length % tp == 0,
                  f"parallel.tp ({tp}) must divide model.seq_length ({model.seq_length}) "
                  "with sequence parallelism")
+    _validate_experts(model, parallel)
     if parallel.recompute is Recompute.FULL:
         per_chunk = model.num_layers // stages
         require(parallel.recompute_num_layers <= per_chunk,
                  f"parallel.recompute_num_layers ({parallel.recompute_num_layers}) must be <= "
                  f"the layers per model chunk ({per_chunk})")
+
+
+MOE_FIELDS = ("moe_layer_freq", "moe_router_topk", "moe_ffn_hidden_size",
+              "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type",
+              "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_score_function",
+              "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+              "moe_expert_capacity_factor", "moe_token_drop_policy",
+              "moe_pad_expert_input_to_capacity")
+"""The model fields that shape only a mixture-of-experts model (``model.num_experts`` > 0)."""
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The mixture-of-experts rules: a dense model leaves every MoE setting at its default;
+    an MoE model's routing, widths and expert layout fit each other."""
+    experts = model.num_experts
+    require(isinstance(experts, int) and not isinstance(experts, bool) and experts >= 0,
+            f"model.num_experts ({experts!r}) must be an integer >= 0 (0: dense)")
+    if experts == 0:
+        defaults = {f.name: f.default for f in dataclasses.fields(model)}
+        for name in MOE_FIELDS:
+            value = getattr(model, name)
+            require(value == defaults[name], f"model.{name} ({json.dumps(value)}) requires "
+                    "model.num_experts > 0 (got 0: a dense model)")
+        require(parallel.ep == 1, f"parallel.ep ({parallel.ep}) requires model.num_experts > 0 "
+                "(got 0: a dense model has no experts to split)")
+        require(parallel.etp is None, f"parallel.etp ({parallel.etp}) requires "
+                "model.num_experts > 0 (got 0: a dense model has no experts to split)")
+        return
+    k = model.moe_router_topk
+    require(_positive_int(k) and k <= experts, f"model.moe_router_topk ({k!r}) must be in "
+            f"[1, model.num_experts ({experts})]")
+    require(experts % parallel.ep == 0, f"parallel.ep ({parallel.ep}) must divide "
+            f"model.num_experts ({experts})")
+    freq = model.moe_layer_freq
+    if isinstance(freq, list):
+        require(len(freq) == model.num_layers and all(f in (0, 1) for f in freq)
+                and not any(isinstance(f, bool) for f in freq),
+                f"model.moe_layer_freq ({freq}) must be a list of one 0 (dense) or 1 (MoE) "
+                f"per block ({model.num_layers} blocks)")
+        require(any(freq), f"model.moe_layer_freq ({freq}) makes no block MoE; set "
+                "model.num_experts 0 for a dense model")
+    else:
+        require(_positive_int(freq), f"model.moe_layer_freq ({freq!r}) must be a positive "
+                "integer (every k-th block is MoE) or a list of 0/1 per block")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = getattr(model, name)
+        require(value is None or _positive_int(value),
+                f"model.{name} ({value!r}) must be a positive integer")
+        if value is not None:
+            require(value % parallel.expert_tp == 0 if name == "moe_ffn_hidden_size"
+                    else value % parallel.tp == 0,
+                    f"model.{name} ({value}) must be divisible by parallel."
+                    f"{'etp' if name == 'moe_ffn_hidden_size' else 'tp'} "
+                    f"({parallel.expert_tp if name == 'moe_ffn_hidden_size' else parallel.tp})")
+    require(model.moe_expert_ffn_size % parallel.expert_tp == 0,
+            f"parallel.etp ({parallel.expert_tp}) must divide the experts' width "
+            f"(model.moe_ffn_hidden_size, default model.ffn_hidden_size: "
+            f"{model.moe_expert_ffn_size})")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        value = getattr(model, name)
+        require(value >= 0, f"model.{name} ({value}) must be >= 0")
+    require(model.moe_router_bias_update_rate > 0, f"model.moe_router_bias_update_rate "
+            f"({model.moe_router_bias_update_rate}) must be > 0")
+    require(not model.moe_router_enable_expert_bias
+            or model.moe_router_score_function is RouterScore.SIGMOID,
+            "model.moe_router_enable_expert_bias (true) needs model.moe_router_score_function "
+            f"sigmoid (megatron's expert bias; got {model.moe_router_score_function})")
+    factor = model.moe_expert_capacity_factor
+    require(factor is None or factor > 0,
+            f"model.moe_expert_capacity_factor ({factor}) must be > 0 (or unset: no dropping)")
+    require(not model.moe_pad_expert_input_to_capacity or factor is not None,
+            "model.moe_pad_expert_input_to_capacity (true) needs "
+            "model.moe_expert_capacity_factor (unset: no capacity to pad to)")
+    require(parallel.tp == 1 or parallel.sequence_parallel,
+            f"parallel.tp ({parallel.tp}) with experts needs parallel.sequence_parallel true "
+            "(megatron's MoE layer dispatches sequence-parallel tokens only)")

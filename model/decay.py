@@ -86,8 +86,8 @@ def declare(param: torch.nn.Parameter, role: Decay, *, decayed: bool | None = No
 
 def _kind(module: torch.nn.Module, name: str) -> Decay | None:
     """The role of megatron's (and Transformer Engine's) own parameters, from the module
-    that holds them: norms, linear layers (TE's fuse a norm in: ``layer_norm_*``) and
-    embeddings; None for anything else."""
+    that holds them: norms, linear layers (TE's fuse a norm in: ``layer_norm_*``),
+    embeddings and the MoE router's; None for anything else."""
     kind = type(module).__name__
     if kind.endswith("Norm"):
         return Decay.NORM
@@ -96,6 +96,11 @@ def _kind(module: torch.nn.Module, name: str) -> Decay | None:
     if name == "bias" and ("Linear" in kind or "Embedding" in kind):
         return Decay.BIAS
     if name == "weight" and ("Linear" in kind or "Embedding" in kind):
+        return Decay.MATRIX
+    # megatron's MoE: the router's projection [experts, h] and the shared expert's gate
+    # [1, h] are projections of the hidden state, decayed like any other (megatron's rule).
+    if (name == "weight" and kind.endswith("Router")) or \
+            (name == "gate_weight" and kind.startswith("SharedExpert")):
         return Decay.MATRIX
     return None
 

@@ -13,8 +13,9 @@ VP and DP layouts therefore start from the same model.
 
 The rules (``model.init``, :class:`~model.schemes.InitMethod`; std = ``model.init_method_std``):
 
-- embeddings, QKV and fc1: normal(0, std)
-- attention output projection and fc2: std / sqrt(2 num_layers) (megatron's depth scaling),
+- embeddings, QKV and fc1 (the experts' too), the MoE router and shared-expert gate:
+  normal(0, std)
+- attention output projection and fc2 (the experts' too): std / sqrt(2 num_layers) (megatron's depth scaling),
   or std where the scheme scales them itself (``Traits.depth_scaled_output_init``)
 - an untied output layer: std (``normal``) or 1 / sqrt(hidden_size) (``full_megatron``)
 - ``full_megatron`` truncates every draw at +-3 std, as OLMo's ``init_normal`` does
@@ -55,8 +56,13 @@ from model.schemes import InitMethod
 TRUNCATION = 3.0
 """``full_megatron`` draws lie in [-3 std, 3 std]."""
 _INPUT_PROJECTIONS = ("word_embeddings.weight", "position_embeddings.weight",
-                      "linear_qkv.weight", "linear_fc1.weight")
+                      "linear_qkv.weight", "linear_fc1.weight",
+                      # mixture of experts: the router and the shared expert's gate
+                      "router.weight", "shared_experts.gate_weight")
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
+_ZERO_BUFFERS = ("router.expert_bias",)
+"""State that is not a parameter but is checkpointed, starting at 0: the MoE router's
+loss-free balancing bias (moved by the load, not by gradients)."""
 
 
 def std_of(model: ModelConfig, key: str) -> float | None:
@@ -151,6 +157,8 @@ def start_of(model: ModelConfig, key: str, role: Decay | None) -> Start | None:
     if role is Decay.NORM:
         return 0.0 if key.endswith("bias") else 1.0
     if role is Decay.BIAS:
+        return 0.0
+    if key.endswith(_ZERO_BUFFERS):
         return 0.0
     return None
 

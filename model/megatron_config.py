@@ -84,9 +84,12 @@ def transformer_config(
         hetereogenous_dist_checkpoint=model.blocks_differ,
         variable_seq_lengths=model.residual_streams > 1 and parallel.pp > 1,
         batch_p2p_comm=parallel.vp is None,
-        # Dense models have no experts; megatron rejects variable_seq_lengths with the default
-        # (allgather) MoE dispatcher even so.
+        # megatron rejects variable_seq_lengths with the default (allgather) dispatcher even
+        # in a dense model; all-to-all is also the one that scales with expert parallelism.
         moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        **_moe_fields(model, te_linears),
         bias_activation_fusion=fused and swiglu,
         bias_dropout_fusion=fused,
         cross_entropy_loss_fusion=fused and bf16,
@@ -98,4 +101,42 @@ def transformer_config(
         gradient_accumulation_fusion=fused and te_linears,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+    )
+
+
+def _moe_fields(model: ModelConfig, te_linears: bool) -> dict:
+    """megatron's MoE fields of an MoE model (``model/moe.py``); none for a dense one, so
+    megatron treats it as dense (no MoE loss scaling in its schedules).
+
+    - ``moe_layer_freq`` is passed for megatron's own bookkeeping (loss tracking, FLOPs);
+      which blocks are MoE is chosen by our spec (``model.moe.moe_blocks``) from the same
+      value.
+    - ``moe_router_dtype`` fp32: the router's logits, scores and top-k in fp32 in bf16
+      runs, so routing does not flip on bf16 rounding ties.
+    - ``moe_grouped_gemm`` with TE linears: TE's grouped GEMM runs all local experts in one
+      kernel; megatron's own grouped path needs the grouped_gemm package, which we do not use.
+    - ``moe_per_layer_logging`` keeps megatron's per-layer loss values, which the run's
+      metrics report (``pretrain/train/experts.py``).
+    """
+    if not model.num_experts:
+        return {}
+    z_loss = model.moe_z_loss_coeff
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_layer_freq=model.moe_layer_freq,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_expert_ffn_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type.value,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=z_loss if z_loss > 0 else None,
+        moe_router_score_function=model.moe_router_score_function.value,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        moe_token_drop_policy=model.moe_token_drop_policy.value,
+        moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=te_linears,
+        moe_per_layer_logging=True,
     )

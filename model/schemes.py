@@ -223,3 +223,33 @@ class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"  # megatron's core-attention recompute
     FULL = "full"  # whole layers, uniform chunks of parallel.recompute_num_layers
+
+
+class LoadBalancing(StrEnum):
+    """How the router of a mixture-of-experts block is pushed towards an even load
+    (``model.moe_router_load_balancing_type``, megatron's names)."""
+
+    AUX_LOSS = "aux_loss"
+    """The Switch/GShard auxiliary loss over each micro-batch's tokens."""
+    SEQ_AUX_LOSS = "seq_aux_loss"
+    """The same loss per sequence, averaged (DeepSeek-V2's), which balances within documents."""
+    GLOBAL_AUX_LOSS = "global_aux_loss"
+    """The loss over the tokens of every data-parallel rank (the global-batch balance)."""
+    NONE = "none"
+    """No balancing loss (with ``moe_router_enable_expert_bias``: the loss-free balance)."""
+
+
+class RouterScore(StrEnum):
+    """The router's score function (``model.moe_router_score_function``)."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class TokenDropPolicy(StrEnum):
+    """Which tokens an expert over its capacity drops (``model.moe_token_drop_policy``)."""
+
+    PROBS = "probs"
+    """Those it was given with the lowest router probability."""
+    POSITION = "position"
+    """Those furthest into the micro-batch."""

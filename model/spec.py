@@ -44,6 +44,7 @@ from model.layers import SCHEME_FILES
 from model.layers.base import LayerChoice, SchemeLayerSubmodules
 from model.layers.merge import StreamMergeNorm
 from model.local_attention import LocalAttention
+from model.moe import is_moe_block, moe_spec
 from model.schemes import FinalNorm, Normalization
 from model.sdpa_attention import SDPAttention
 from model.tp_linear import ColumnLinear, RowLinear
@@ -109,8 +110,13 @@ def attention_spec(model: ModelConfig, backend: NormBackend,
     )
 
 
-def mlp_spec(model: ModelConfig, fuse_input_norm: bool = False):
+def mlp_spec(model: ModelConfig, index: int, fuse_input_norm: bool = False):
+    """The MLP sublayer F of global block ``index``: megatron's MLP, or in an MoE block its
+    MoE layer (``model/moe.py``). ``fuse_input_norm``: fc1 applies the block's pre-MLP norm
+    itself (never in an MoE block, whose router reads the normalised input too)."""
     linears = linear_modules(model)
+    if is_moe_block(model, index):
+        return moe_spec(model, linears)
     fc1 = linears["norm_column"] if fuse_input_norm else linears["column"]
     return partial(
         MLP.as_mlp_submodule,
@@ -126,19 +132,27 @@ _FUSED_NORM_KEYS = {
 }
 
 
-def pre_norm_layer_spec(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
-    """megatron's own Pre-Norm TransformerLayer. With TE linears its input and pre-MLP norms are
-    fused into the QKV and fc1 projections (TE's LayerNormLinear), as in megatron's TE spec."""
+def pre_norm_layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSpec:
+    """megatron's own Pre-Norm TransformerLayer for global block ``index``. With TE linears
+    its input and pre-MLP norms are fused into the QKV and fc1 projections (TE's
+    LayerNormLinear), as in megatron's TE spec; an MoE block keeps its pre-MLP norm apart
+    (the router reads its output too)."""
     fused = linear_modules(model)["norm_column"] is not None
-    norm = IdentityOp if fused else plain_norm(model, backend)
+    moe = is_moe_block(model, index)
+    fused_mlp = fused and not moe
+    # Unfused norms take the fused names; an MoE block's pre-MLP norm is its own either way.
+    keys = {} if fused else {k: v for k, v in _FUSED_NORM_KEYS.items()
+                             if not (moe and k == "pre_mlp_layernorm.")}
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=norm,
+            input_layernorm=IdentityOp if fused else plain_norm(model, backend),
             self_attention=attention_spec(model, backend, fuse_input_norm=fused),
-            self_attn_bda=get_bias_dropout_add, pre_mlp_layernorm=norm,
-            mlp=mlp_spec(model, fuse_input_norm=fused), mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map={} if fused else dict(_FUSED_NORM_KEYS),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp if fused_mlp else plain_norm(model, backend),
+            mlp=mlp_spec(model, index, fuse_input_norm=fused_mlp),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys,
         ),
     )
 
@@ -153,13 +167,13 @@ def layer_spec(model: ModelConfig, index: int, backend: NormBackend) -> ModuleSp
     """The spec of global block ``index`` (0-based)."""
     choice = scheme_layer(model, index)
     if choice is None:
-        return pre_norm_layer_spec(model, backend)
+        return pre_norm_layer_spec(model, index, backend)
     layer_class, params = choice
     return ModuleSpec(
         module=layer_class,
         params={**params, "backend": backend},
         submodules=SchemeLayerSubmodules(
-            self_attention=attention_spec(model, backend), mlp=mlp_spec(model),
+            self_attention=attention_spec(model, backend), mlp=mlp_spec(model, index),
             norm=plain_norm(model, backend),
         ),
     )

@@ -8,6 +8,7 @@ and the value.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -441,6 +442,9 @@ def _check_type(where: str, value: Any, annotation: Any) -> Any:
             if option is type(None) and value is None:
                 return None
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        for option in options[1:]:  # a value that fits a later option is taken as it
+            with contextlib.suppress(ConfigError):
+                return _check_type(where, value, option)
         return _check_type(where, value, options[0])
     if origin is list:
         (item,) = typing.get_args(annotation)

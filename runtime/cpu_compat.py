@@ -60,17 +60,43 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuEvent:
+    """Stand-in for a CUDA event: on the CPU, whatever it marks has already happened."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
+
+    def record(self, _stream=None) -> None:
+        pass
+
+    def wait(self, _stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
-    """Stand-in for a CUDA stream: every operation is already synchronous on the CPU."""
+    """Stand-in for a CUDA stream: every operation is already synchronous on the CPU.
+    Constructible, as megatron's MoE token dispatcher makes its own side stream."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
 
     def wait_stream(self, _stream) -> None:
+        pass
+
+    def wait_event(self, _event) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
     def record_event(self, event=None):
-        return event
+        return _CpuEvent() if event is None else event
 
 
 def _cpu_rng_state(*_args, **_kwargs) -> torch.Tensor:
@@ -110,6 +136,8 @@ _PATCHES = {  # torch.cuda's functions that megatron calls for bookkeeping, on t
     "synchronize": lambda *a, **k: None,
     "current_stream": lambda *a, **k: _CpuStream(),
     "stream": lambda *a, **k: contextlib.nullcontext(),
+    "Stream": _CpuStream,
+    "Event": _CpuEvent,
     # The RNG tracker seeds its named states through this; the CPU generator stands in.
     "manual_seed": lambda seed: torch.default_generator.manual_seed(seed),
     "get_rng_state": _cpu_rng_state,

@@ -23,6 +23,8 @@ class Layout(Protocol):
     tp: int
     pp: int
     vp: int | None
+    ep: int
+    expert_tp: int
 
 
 def initialize(parallel: Layout, seed: int = 1234, graph_safe_rng: bool = False) -> None:
@@ -55,6 +57,8 @@ def initialize(parallel: Layout, seed: int = 1234, graph_safe_rng: bool = False)
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
     )
     seed_everything(seed, graph_safe_rng)
 
