@@ -15,8 +15,9 @@ The rules (``model.init``, :class:`~model.schemes.InitMethod`; std = ``model.ini
 
 - embeddings, QKV and fc1 (the experts' too), the MoE router and shared-expert gate:
   normal(0, std)
-- attention output projection and fc2 (the experts' too): std / sqrt(2 num_layers) (megatron's depth scaling),
-  or std where the scheme scales them itself (``Traits.depth_scaled_output_init``)
+- attention output projection and fc2 (the experts' too): std / sqrt(2 num_layers)
+  (megatron's depth scaling), or std where the scheme scales them itself
+  (``Traits.depth_scaled_output_init``)
 - an untied output layer: std (``normal``) or 1 / sqrt(hidden_size) (``full_megatron``)
 - ``full_megatron`` truncates every draw at +-3 std, as OLMo's ``init_normal`` does
 - everything else starts at a declared value, never at whatever its constructor happened to
