@@ -331,8 +331,8 @@ class ParallelConfig:
     all-to-all. Expert ranks are carved from the data-parallel ranks (and, with etp below tp,
     the tensor-parallel ones), so ep x etp x pp must divide the world size."""
     etp: int | None = None
-    """Expert tensor parallelism (megatron's ``expert_tensor_parallel_size``): the tensor-
-    parallel split of each expert's matrices; default parallel.tp. 1 keeps experts whole,
+    """Expert tensor parallelism (megatron's ``expert_tensor_parallel_size``): the
+    tensor-parallel split of each expert's matrices; default parallel.tp. 1 keeps experts whole,
     the usual choice with expert parallelism."""
 
     def __post_init__(self) -> None:

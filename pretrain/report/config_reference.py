@@ -75,9 +75,11 @@ def _type(annotation) -> tuple[str, tuple[str, ...]]:
         return "str", tuple(member.value for member in annotation)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(annotation) if a is not type(None)]
-        text, choices = _type(options[0])
-        return f"{text} or unset", choices
+        args = typing.get_args(annotation)
+        described = [_type(a) for a in args if a is not type(None)]
+        text = " or ".join(t for t, _ in described)
+        choices = tuple(c for _, cs in described for c in cs)
+        return f"{text} or unset" if type(None) in args else text, choices
     if origin is list:
         return f"list of {_type(typing.get_args(annotation)[0])[0]}", ()
     return annotation.__name__, ()

@@ -59,6 +59,9 @@ def test_the_reference_has_every_field_with_its_type_default_and_choices():
             "on GPU, fp32 on CPU), fp32 or bf16. |") in text
     assert "| `model.num_query_groups` | int or unset | unset | Grouped-query" in text
     assert "| `data.prefixes` | list of str | `[]` |" in text
+    # a union of two types names both (an unset option only where None is one of them)
+    assert "| `model.moe_layer_freq` | int or list of int | `1` | Which blocks" in text
+    assert "| `parallel.etp` | int or unset | unset |" in text
     # markdown in a docstring's text is escaped; its ``code`` becomes `code`
     assert "online \\| offline \\| disabled \\| auto" in text
     assert "`&lt;run.dir&gt;" not in text and "&lt;run.dir&gt;/hangs" in text
