@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from model.layers.base import SchemeLayer
@@ -107,6 +108,8 @@ def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False)
     _warn_once_outside()
     options = {"triton.cudagraphs": True} if cuda_graphs else None
     found = blocks(chunks)
+    for layer in eager_experts(found):
+        layer.forward = torch.compiler.disable(layer.forward, recursive=True)
     for block in found:
         # A scheme's own layer compiles its equations (compute); its forward's last call,
         # megatron's make_viewless_tensor, makes a tensor with requires_grad (which Dynamo
@@ -120,6 +123,16 @@ def compile_blocks(chunks, backend: str = "inductor", cuda_graphs: bool = False)
         setattr(block, name, torch.compile(getattr(block, name), backend=backend,
                                            dynamic=False, options=options))
     return len(found)
+
+
+def eager_experts(found: list[torch.nn.Module]) -> list[MoELayer]:
+    """The MoE layers inside ``found`` blocks, which run eager inside their compiled block:
+    how many tokens each expert receives changes every step, and with it the shapes of the
+    dispatch and of every expert's matrix product (host-side split sizes), so a compiled MoE
+    layer would compile again at every step. The rest of an MoE block (attention, norms, the
+    scheme's equations, the router's input) is compiled around it, with one graph break per
+    MoE layer, which :func:`first_step_text` says apart from unexpected ones."""
+    return [m for block in found for m in block.modules() if isinstance(m, MoELayer)]
 
 
 def _warn_once_outside() -> None:
@@ -156,13 +169,24 @@ def first_step_text(step_seconds: float) -> str:
     on a restart that reuses kernels.compile_cache), and the graph breaks Dynamo counted."""
     inductor = torch._dynamo.utils.counters["inductor"]
     hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
-    breaks = _break_total()
+    reasons = break_reasons()
+    at_experts = sum(n for r, n in reasons.items() if _EAGER_EXPERTS in r)
+    other = {r: n for r, n in reasons.items() if _EAGER_EXPERTS not in r}
+    breaks = sum(other.values())
     text = (f"compiled blocks: {compile_seconds():.1f} s of compilation so far, first step "
             f"{step_seconds:.1f} s; compiled-graph cache {hits} hits, {misses} misses; "
             f"{breaks} graph breaks")
     if breaks:
-        text += " (" + "; ".join(f"{n} x {r}" for r, n in break_reasons().items()) + ")"
+        text += " (" + "; ".join(f"{n} x {_reason(r)}" for r, n in other.items()) + ")"
+    if at_experts:
+        text += (f"; the MoE layers run eager inside their compiled blocks (a graph break "
+                 f"at each, {at_experts} so far), since the tokens each expert receives "
+                 "change every step")
     return text
+
+
+# How Dynamo names the call of an MoE layer kept eager (:func:`eager_experts`).
+_EAGER_EXPERTS = "MoELayer.forward"
 
 
 class Recompiles:

@@ -19,14 +19,16 @@ from tests.helpers import MBS, SEQ, document_batches, tiny_model
 
 def step_counts(scheme: str, parallel_fields: dict, backend: str = "eager",
                 steps: int = 3, layers: int = 3, norm_backend: str = "torch",
-                microbatches: int = 2) -> list[tuple[int, int]]:
+                microbatches: int = 2, model_fields: dict | None = None,
+                ) -> list[tuple[int, int]]:
     """(graphs compiled, graph breaks) in each of ``steps`` steps of ``microbatches``
-    micro-batches whose packed documents differ from batch to batch."""
+    micro-batches whose packed documents differ from batch to batch (``model_fields``: the
+    tiny model's own)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
-    chunks = build_model(tiny_model(scheme, num_layers=layers), par, norm_backend=norm_backend,
-                         positions_per_token=True)
+    chunks = build_model(tiny_model(scheme, num_layers=layers, **(model_fields or {})), par,
+                         norm_backend=norm_backend, positions_per_token=True)
     compiled.compile_blocks(chunks, backend)
     ddp = wrap_ddp(chunks, par)
     counts = []
@@ -39,15 +41,17 @@ def step_counts(scheme: str, parallel_fields: dict, backend: str = "eager",
 
 
 def loss_and_grads(scheme: str, parallel_fields: dict, backend: str | None, layers: int = 3,
-                   norm_backend: str = "torch",
-                   seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor]]:
+                   norm_backend: str = "torch", seq: int = SEQ,
+                   model_fields: dict | None = None,
+                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and every gradient of one step of packed documents of ``seq`` tokens, eager
     (``backend`` None) or compiled."""
     torch._dynamo.reset()
     par = ParallelConfig(distributed_optimizer=False, **parallel_fields)
     torch.manual_seed(3)
-    chunks = build_model(tiny_model(scheme, num_layers=layers, seq_length=seq), par, seed=11,
-                         norm_backend=norm_backend, positions_per_token=True)
+    model = tiny_model(scheme, num_layers=layers, seq_length=seq, **(model_fields or {}))
+    chunks = build_model(model, par, seed=11, norm_backend=norm_backend,
+                         positions_per_token=True)
     if backend is not None:
         compiled.compile_blocks(chunks, backend)
     ddp = wrap_ddp(chunks, par)

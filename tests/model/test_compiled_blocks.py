@@ -77,6 +77,34 @@ def test_compiled_matches_eager(single_rank, scheme):
     assert compile_probe.worst_relative(c_grads, grads) <= 1e-5
 
 
+# Experts in every other block (dense and MoE blocks mix), with a shared expert and the z-loss:
+# every part of megatron's MoE layer a block can hold.
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 2, "moe_z_loss_coeff": 1e-3,
+       "moe_shared_expert_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("scheme", _every_scheme(fast={"siamese"}))
+def test_moe_blocks_compile_around_eager_experts_and_never_recompile(single_rank, scheme):
+    """How many tokens each expert receives changes every step: a compiled MoE layer would
+    compile again at each (it did, until Dynamo's limit). It runs eager inside its compiled
+    block, and those calls are the only breaks."""
+    # 2 blocks (block 0 MoE, block 1 dense), 2 steps: the second shows any recompile.
+    counts = compile_probe.step_counts(scheme, {}, model_fields=MOE, layers=2, steps=2)
+    reasons = compiled.break_reasons()
+    assert reasons and all("MoELayer.forward" in r for r in reasons), reasons
+    assert counts[1][0] == 0, f"{scheme}: recompiled after step 1: {counts}"
+    assert "the MoE layers run eager" in compiled.first_step_text(1.0)
+
+
+@pytest.mark.parametrize("scheme", ["pre", "siamese"])
+def test_compiled_moe_matches_eager(single_rank, scheme):
+    losses, grads = compile_probe.loss_and_grads(scheme, {}, None, layers=2, model_fields=MOE)
+    c_losses, c_grads = compile_probe.loss_and_grads(scheme, {}, "aot_eager", layers=2,
+                                                     model_fields=MOE)
+    assert c_losses == pytest.approx(losses, rel=1e-5)
+    assert compile_probe.worst_relative(c_grads, grads) <= 1e-5
+
+
 def test_compiled_matches_eager_where_eager_attends_one_document_at_a_time(single_rank):
     """From SPLIT_FROM tokens on the CPU's eager attention makes one call per document, from
     spans read on the host, which a compiled graph cannot hold (Dynamo stopped there); inside
