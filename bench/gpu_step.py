@@ -95,6 +95,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --compile inductor: CUDA graphs around each compiled block "
                         "(kernels.cuda_graphs)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="mixture of experts: routed experts in every block (model.num_experts; "
+                        "0: dense)")
+    p.add_argument("--topk", type=int, default=2, help="with --experts: model.moe_router_topk")
+    p.add_argument("--expert-ffn", type=int, default=None,
+                   help="with --experts: each expert's width (model.moe_ffn_hidden_size; "
+                        "default --ffn)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: measure one scheme
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -123,6 +130,8 @@ def build(args, scheme: str):
         attention_backend=("sdpa" if args.documents and args.attention_backend == "auto"
                            else args.attention_backend),
         transformer_impl=args.transformer_impl,
+        **({"num_experts": args.experts, "moe_router_topk": args.topk,
+            "moe_ffn_hidden_size": args.expert_ffn} if args.experts else {}),
     )
     config = Config(model=model_cfg, parallel=ParallelConfig(recompute=args.recompute),
                     # a non-zero LR from the first step

@@ -29,6 +29,7 @@ PARTS = [
     Part("tests", "gpu-marked kernel, model and CLI tests", 200, 60, setup_parts.tests),
     Part("norms", "fused norms' bandwidth, fwd and fwd+bwd", 70, 20, bench_parts.norms),
     Part("steps", "step table: pre, siamese, siamese_hybrid", 170, 40, bench_parts.steps),
+    Part("moe", "pre and siamese with experts in every block", 90, 40, bench_parts.moe),
     Part("more_schemes", "post and hybridnorm steps", 60, 30, bench_parts.more_schemes),
     Part("optimizer", "optimizer step at the full depth", 45, 30, bench_parts.optimizer),
     Part("profile", "kernels of siamese against pre", 45, 30, bench_parts.profile),

@@ -191,6 +191,19 @@ def compiled_steps(ctx: Context) -> dict:
     return data
 
 
+def moe(ctx: Context) -> dict:
+    """pre and siamese with experts in every block, at the step table's width: the paper's
+    MoE figures are siamese/pre step <= 1.005 and activation memory <= 1.02. The block shape is
+    the MoE preset's expert layout at this width (``Sizes.experts``, top-k, expert width);
+    the experts are megatron's SequentialMLP here (its grouped GEMM needs Transformer
+    Engine), which weighs on both schemes alike."""
+    s = ctx.sizes
+    extra = ("--experts", str(s.experts), "--topk", str(s.topk), "--expert-ffn",
+             str(s.expert_ffn))
+    return measure_steps(ctx, ("pre", "siamese"), s.rounds, s.layers, s.micro_batch,
+                         extra=extra)
+
+
 def optimizer(ctx: Context) -> dict:
     """pre at the 1.3B shape's full depth, micro-batch 1: the optimizer step at 1.2B+
     parameters (the target's setting) and the full model's throughput."""

@@ -45,6 +45,9 @@ class Sizes:
     rounds: int
     full_layers: int  # the optimizer step's model: the 1.3B shape's depth
     alternative_tokens: int  # rows of the kernel alternatives at hidden 4096 and 8192
+    experts: int  # the MoE part's routed experts per block, top-k and expert width
+    topk: int
+    expert_ffn: int
 
 
 # The 1.3B shape's width (hidden 2048, 32 heads / 8 KV, SwiGLU 8192, seq 4096, vocab 50304)
@@ -52,11 +55,11 @@ class Sizes:
 GPU = Sizes(dtype="bf16", copy_bytes=1 << 30, gemm=8192, norm_tokens=8192, norm_hidden=2048,
             norm_rounds=3, layers=4, hidden=2048, heads=32, kv_heads=8, ffn=8192, seq=4096,
             vocab=50304, micro_batch=2, steps=5, warmup=2, rounds=3, full_layers=16,
-            alternative_tokens=8192)
+            alternative_tokens=8192, experts=16, topk=2, expert_ffn=2048)
 REHEARSAL = Sizes(dtype="fp32", copy_bytes=8 << 20, gemm=256, norm_tokens=16, norm_hidden=64,
                   norm_rounds=1, layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, seq=32,
                   vocab=256, micro_batch=1, steps=2, warmup=1, rounds=1, full_layers=2,
-                  alternative_tokens=2)
+                  alternative_tokens=2, experts=4, topk=2, expert_ffn=64)
 
 
 @dataclass

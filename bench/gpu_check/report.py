@@ -132,6 +132,8 @@ def compiled(data: dict) -> list[str]:
 
 SECTIONS = {"calibration": calibration, "tests": tests, "norms": norms,
             "steps": lambda d: steps("Step table", d),
+            "moe": lambda d: steps("Mixture of experts (targets: siamese/pre step <= 1.005, "
+                                   "activation <= 1.02)", d),
             "more_schemes": lambda d: steps("More schemes", d),
             "optimizer": lambda d: steps("Optimizer step at the full depth", d),
             "profile": lambda d: steps("Profile of siamese against pre", d),

@@ -167,7 +167,7 @@ def test_the_check_rehearsed_on_the_cpu_runs_every_part(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((out / "gpu-check.json").read_text())
     statuses = {name: p["status"] for name, p in result["parts"].items()}
-    for name in ("environment", "calibration", "tests", "norms", "steps"):
+    for name in ("environment", "calibration", "tests", "norms", "steps", "moe"):
         assert statuses[name] == "done", (name, result["parts"][name])
         assert any(p.name.endswith(f"-{name}.json") for p in out.iterdir())
     assert set(statuses) == {part.name for part in PARTS}
@@ -180,6 +180,11 @@ def test_the_check_rehearsed_on_the_cpu_runs_every_part(tmp_path):
     rows = {r["scheme"]: r for r in result["steps"]["rows"]}
     assert set(rows) == {"pre", "siamese", "siamese_hybrid"} and rows["pre"]["step_ratio"] == 1
     assert result["steps"]["rounds_done"] >= 1
+    moe = {r["scheme"]: r for r in result["moe"]["rows"]}
+    assert set(moe) == {"pre", "siamese"} and moe["siamese"]["step_ratio"] > 0
+    # experts make the model larger than the dense step table's
+    assert moe["pre"]["parameters"] > rows["pre"]["parameters"]
+    assert "## Mixture of experts" in (out / "gpu-check.md").read_text()
     assert (out / "gpu-check.md").read_text() == report.markdown(result)
 
 
