@@ -632,12 +632,14 @@ def fit_layout(config: Config, world_size: int) -> tuple[Config, str | None]:
     checkpoint's own layout does not fit fewer processes. Validated for ``world_size``."""
     p = config.parallel
     note = None
-    if world_size % (p.tp * p.pp):
-        note = (f"the checkpoint's layout (parallel.tp {p.tp} x parallel.pp {p.pp}) does not "
-                f"fit {world_size} process{'es' if world_size > 1 else ''}: evaluating with "
-                "parallel.tp 1 and parallel.pp 1 (checkpoints reshard on load)")
+    if world_size % (p.tp * p.pp) or world_size % (p.expert_tp * p.ep * p.pp):
+        experts = f" x parallel.ep {p.ep}" if p.ep > 1 else ""
+        note = (f"the checkpoint's layout (parallel.tp {p.tp} x parallel.pp {p.pp}{experts}) "
+                f"does not fit {world_size} process{'es' if world_size > 1 else ''}: "
+                f"evaluating with parallel.tp 1{' and parallel.ep 1' if experts else ''} and "
+                "parallel.pp 1 (checkpoints reshard on load)")
         config = dataclasses.replace(config, parallel=dataclasses.replace(
-            p, tp=1, pp=1, vp=None, sequence_parallel=False))
+            p, tp=1, pp=1, vp=None, sequence_parallel=False, ep=1, etp=None))
     validate(config, world_size=world_size, training=False)
     return config, note
 
@@ -742,6 +744,13 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         require(world_size % model_parallel == 0,
                  f"world size ({world_size}) must be divisible by parallel.tp x parallel.pp "
                  f"({model_parallel})")
+        p = config.parallel
+        expert_parallel = p.expert_tp * p.ep * p.pp
+        # megatron lays its expert groups (etp x ep x pp, the rest expert data parallel) over
+        # the same ranks as the dense ones and refuses a world they do not tile.
+        require(world_size % expert_parallel == 0,
+                f"world size ({world_size}) must be divisible by parallel.etp x parallel.ep x "
+                f"parallel.pp ({p.expert_tp} x {p.ep} x {p.pp} = {expert_parallel})")
         dp = world_size // model_parallel
         step = d.micro_batch_size * dp
         require(d.global_batch_size % step == 0,

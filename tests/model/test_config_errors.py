@@ -5,6 +5,7 @@ import pytest
 from model.backends import te_available
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
+from pretrain.config import fit_layout, load_config, validate
 from runtime.errors import ConfigError
 
 CASES = [
@@ -53,6 +54,18 @@ CASES = [
      ["model.hybrid_first_block (\"prenorm\")", "hybridnorm or siamese_hybrid (got mixln)"]),
     (dict(attention_backend="flash"), {}, ["model.attention_backend ('flash')", "sdpa"]),
     (dict(transformer_impl="apex"), {}, ["model.transformer_impl ('apex')", "local, te"]),
+    # mixture of experts
+    (dict(num_experts=6), dict(ep=4), ["parallel.ep (4)", "model.num_experts (6)"]),
+    (dict(num_experts=4, moe_router_topk=5), {},
+     ["model.moe_router_topk (5)", "[1, model.num_experts (4)]"]),
+    (dict(moe_router_topk=4), {}, ["model.moe_router_topk (4)", "model.num_experts > 0",
+                                   "got 0"]),
+    (dict(moe_ffn_hidden_size=32), {}, ["model.moe_ffn_hidden_size (32)", "num_experts > 0"]),
+    ({}, dict(ep=2), ["parallel.ep (2)", "model.num_experts > 0"]),
+    (dict(num_experts=4, moe_layer_freq=[1, 0, 1]), {},
+     ["model.moe_layer_freq ([1, 0, 1])", "per block (4 blocks)"]),
+    (dict(num_experts=4, moe_layer_freq=[0, 0, 0, 0]), {},
+     ["model.moe_layer_freq ([0, 0, 0, 0]) makes no block MoE"]),
     *[pytest.param({name: "te"}, {}, [f"model.{name} (te)", "Transformer Engine"],
                    marks=pytest.mark.skipif(te_available(), reason="TE is usable here"))
       for name in ("attention_backend", "transformer_impl")],
@@ -69,6 +82,41 @@ def test_bad_config_is_one_clear_line(model_kw, parallel_kw, fragments):
     assert "\n" not in message
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+MOE = ["--model.num_layers=4", "--model.hidden_size=32", "--model.num_attention_heads=4",
+       "--model.seq_length=16", "--model.num_experts=8", "--data.micro_batch_size=1",
+       "--data.global_batch_size=24", "--data.valid_samples=0"]
+
+
+@pytest.mark.parametrize("parallel,world,product", [
+    (["--parallel.ep=4"], 6, "1 x 4 x 1 = 4"),
+    (["--parallel.ep=2", "--parallel.pp=2"], 6, "1 x 2 x 2 = 4"),
+    (["--parallel.ep=4", "--parallel.tp=2", "--parallel.etp=1",
+      "--parallel.sequence_parallel=true"], 6, "1 x 4 x 1 = 4"),
+])
+def test_expert_groups_must_tile_the_world(parallel, world, product):
+    """megatron's expert groups (etp x ep x pp, the rest expert data parallel) cover the same
+    ranks as the dense ones: a world they do not divide is one line, before any rank starts
+    (the dense rule, tp x pp, holds in each case: 6 is divisible by 1, 2 and 2)."""
+    config = load_config(None, MOE + parallel)
+    with pytest.raises(ConfigError) as info:
+        validate(config, world_size=world)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"world size ({world}) must be divisible by parallel.etp x parallel.ep x " \
+           f"parallel.pp ({product})" in message
+    validate(config, world_size=8)  # 8 tiles every one of them
+
+
+def test_eval_of_an_expert_layout_on_too_few_processes_drops_it():
+    """A checkpoint reshards on load, so eval on fewer processes than its expert layout needs
+    runs with one model per process and says so."""
+    config = load_config(None, MOE + ["--parallel.ep=4"])
+    fitted, note = fit_layout(config, 2)
+    assert (fitted.parallel.ep, fitted.parallel.etp, fitted.parallel.tp) == (1, None, 1)
+    assert "parallel.ep 4" in note and "parallel.ep 1" in note
+    assert fit_layout(config, 4) == (config, None)
 
 
 def test_valid_layout_builds_config():

@@ -327,6 +327,9 @@ EARLY_CASES = {
         lambda c: _train(c, "--model.hybrid_prenorm_first_block=true"),
         ["model.hybrid_prenorm_first_block (True) is no longer a setting",
          "model.hybrid_first_block"]),
+    "expert layout vs world size": (
+        lambda c: _train(c, "--model.num_experts=4", "--parallel.ep=2"),
+        ["world size (1)", "parallel.etp x parallel.ep x parallel.pp (1 x 2 x 1 = 2)"]),
     # choices and structure
     "unknown wandb mode": (lambda c: _train(c, "--logging.wandb_mode=loud"),
                            ["logging.wandb_mode ('loud')"]),
