@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
 from kernels.backend import NormBackend, resolve
 from model import decay
@@ -64,6 +65,11 @@ def build_model(
             vp_stage=vp_stage,
         )
         chunks.append(chunk)
+    if model.num_experts:
+        # megatron's MoE metrics tracker is one per process, sized by the depth of the first
+        # model that records into it: a new model starts it anew (another depth in the same
+        # process indexed past its end).
+        destroy_moe_metrics_tracker()
     decay.assign(chunks, model.residual_scheme)
     # Weights are drawn on the CPU, then move to the device this process computes on. A model
     # built on the meta device (shapes only) stays there.
