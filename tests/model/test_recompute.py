@@ -10,11 +10,12 @@ from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
 
 
-def grads_with(scheme: str, **parallel) -> tuple[list[float], dict, int]:
+def grads_with(scheme: str, model_fields: dict | None = None,
+               **parallel) -> tuple[list[float], dict, int]:
     """Losses, gradients, and how often block 0's recomputable module ran."""
     par = ParallelConfig(distributed_optimizer=False, **parallel)
     torch.manual_seed(3)
-    [ddp] = wrap_ddp(build_model(tiny_model(scheme), par), par)
+    [ddp] = wrap_ddp(build_model(tiny_model(scheme, **(model_fields or {})), par), par)
     layer = ddp.module.decoder.layers[0]
     watched = layer.self_attention.core_attention if par.recompute == "selective" else layer
     calls = []
@@ -34,6 +35,21 @@ def test_recompute_gives_same_gradients(single_rank, scheme, recompute):
     base_losses, base, base_calls = grads_with(scheme)
     losses, grads, calls = grads_with(scheme, **recompute)
     assert calls == 2 * base_calls, "the module was not recomputed in backward"
+    assert losses == pytest.approx(base_losses, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, base[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+# Experts in every other block, with the balancing and z losses: their gradients flow through
+# megatron's MoEAuxLossAutoScaler, attached again when a block is recomputed.
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_layer_freq": 2, "moe_z_loss_coeff": 1e-3}
+
+
+@pytest.mark.parametrize("scheme", [s.value for s in ResidualScheme])  # every one
+def test_full_recompute_of_moe_blocks_gives_same_gradients(single_rank, scheme):
+    base_losses, base, base_calls = grads_with(scheme, MOE)
+    losses, grads, calls = grads_with(scheme, MOE, recompute="full", recompute_num_layers=1)
+    assert calls == 2 * base_calls, "the block was not recomputed in backward"
     assert losses == pytest.approx(base_losses, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, base[name], rtol=1e-5, atol=1e-7, msg=name)
