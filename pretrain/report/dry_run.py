@@ -8,10 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import NormBackend
-from model.builder import build_model, count_parameters
+from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from model.megatron_config import transformer_config
 from model.schemes import Activation, FinalNorm, Recompute
+from model.sizes import ParameterCount
+from model.sizes import parameter_count as model_parameter_count
 from pretrain.config import Config, to_toml, validate
 from pretrain.report.throughput import flops_per_token
 from pretrain.report.units import count, human
@@ -153,17 +155,36 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     return tokens * (in_flight * per_microbatch + (last_stage if p.pp == 1 else 0))
 
 
-def parameter_count(model: ModelConfig, seed: int) -> int:
-    """Parameters of the whole model, from a build on the meta device (shapes only: a 1.3B
-    model costs no memory) in a one-rank group opened and closed here."""
+def parameter_count(model: ModelConfig, seed: int) -> ParameterCount:
+    """Parameters of the whole model, and the routed experts' share of them, from a build on
+    the meta device (shapes only: a 15B model costs no memory) in a one-rank group opened and
+    closed here."""
     with cpu_compat.enabled():
         parallel.initialize(ParallelConfig(), seed=seed)
         try:
             with torch.device("meta"):
-                return count_parameters(build_model(model, ParallelConfig(),
-                                                    norm_backend=NormBackend.TORCH))
+                return model_parameter_count(build_model(model, ParallelConfig(),
+                                                         norm_backend=NormBackend.TORCH))
         finally:
             parallel.destroy()
+
+
+def state_bytes_per_gpu(config: Config, params: ParameterCount, world: int) -> float:
+    """Weights, gradients and optimizer state on one GPU, in bytes: bf16 weights (2 B), fp32
+    gradients (4 B), fp32 main weights and Adam moments (12 B, divided over the data-parallel
+    ranks with the distributed optimizer). The routed experts split over etp x ep x pp ranks
+    and their optimizer state over the expert data-parallel ranks (world / (etp x ep x pp)),
+    the rest over tp x pp and dp, as megatron lays them out (Megatron-LM's
+    ``theoretical_memory_usage`` counts them so)."""
+    p = config.parallel
+
+    def per_parameter(dp: int) -> float:
+        return 2 + 4 + 12 / (dp if p.distributed_optimizer else 1)
+
+    dp = world // (p.tp * p.pp)
+    expert_group = p.expert_tp * p.ep * p.pp
+    return (params.dense / (p.tp * p.pp) * per_parameter(dp)
+            + params.routed / expert_group * per_parameter(world // expert_group))
 
 
 # Above the resolved config: a comment, so the printed config stays TOML a user can copy.
@@ -179,21 +200,29 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     params = parameter_count(m, config.run.seed)
     dp = world // (p.tp * p.pp)
     tokens_per_step = d.global_batch_size * config.seq_length
-    # Per GPU: bf16 weights (2 B) + fp32 grads (4 B) + fp32 main weights and Adam moments
-    # (12 B, divided over DP with the distributed optimizer).
-    per_gpu_params = params / (p.tp * p.pp)
-    state_bytes = 12 / (dp if p.distributed_optimizer else 1)
-    weights_gb = per_gpu_params * (2 + 4 + state_bytes) / 2**30
+    weights_gb = state_bytes_per_gpu(config, params, world) / 2**30
     activations_gb = activation_bytes(config, dp) / 2**30
+    sizes = f"parameters: {params.total:,} ({human(params.total)})"
+    experts = ""
+    if m.num_experts:
+        active = params.active(m)
+        sizes += (f"; active per token: {active:,} ({human(active)}): top-{m.moe_router_topk} "
+                  f"of {m.num_experts} routed experts"
+                  + (" and the shared expert" if m.moe_shared_expert_intermediate_size else "")
+                  + f" in {count(sum(m.moe_blocks), 'MoE block')}; routed experts "
+                  f"{params.routed:,} ({human(params.routed)})")
+        expert_group = p.expert_tp * p.ep * p.pp
+        experts = (f"; experts: ep {p.ep} x etp {p.expert_tp} x pp {p.pp} x expert dp "
+                   f"{world // expert_group}")
     lines = [
         REFERENCE_HINT,
         to_toml(config).rstrip(),
         "",
-        f"parameters: {params:,} ({human(params)})",
+        sizes,
         f"layout: world {world} = tp {p.tp} x pp {p.pp} x dp {dp}"
         + (f", {p.vp} virtual stages per pipeline rank" if p.vp else "")
         + (", sequence parallel" if p.sequence_parallel else "")
-        + f", recompute {p.recompute}",
+        + f", recompute {p.recompute}" + experts,
         f"micro-batches per step: {d.global_batch_size // (d.micro_batch_size * dp)} "
         f"of {count(d.micro_batch_size, 'sequence')} per data-parallel rank",
         f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "

@@ -9,6 +9,13 @@ attention scores and their use on V (2 x 2 s h, no discount for the causal mask)
 (2 h V). The input-embedding lookup is not a product and costs nothing. The norms, residual
 updates and SiameseNorm's second stream are not products either: a scheme changes the time per
 token, never the FLOPs per token, so MFU compares schemes as throughput does.
+
+A mixture-of-experts block's MLP counts what a token runs through, as Megatron-LM's
+``num_floating_point_operations`` does: the k routed experts it is sent to (2 h f_e per matrix
+each) and the shared expert (2 h f_s per matrix), so MFU is over the active parameters, not the
+total. Like Megatron-LM it leaves out the router's product (2 h E per token and MoE block, E the
+routed experts; 0.2% of the paper MoE preset's count) and the token dispatch, which moves
+tokens without multiplying them.
 """
 
 from __future__ import annotations
@@ -44,13 +51,19 @@ def peak_tflops(device_name: str) -> float | None:
 
 
 def flops_per_token(config: Config) -> float:
-    """Training FLOPs per token (forward + backward) by Megatron-LM's formula."""
+    """Training FLOPs per token (forward + backward) by Megatron-LM's formula; the dry run's
+    figure and the training's TFLOP/s and MFU both come from here."""
     m, s = config.model, config.seq_length
     h = m.hidden_size  # = heads x head_dim here (kv_channels = hidden_size / heads)
     kv = m.kv_heads * (h // m.num_attention_heads)
     mlp_matrices = 3 if m.activation is Activation.SWIGLU else 2
-    per_layer = 2 * h * h + 2 * h * kv + 2 * s * h + mlp_matrices * h * m.ffn_size
-    forward = 2 * (m.num_layers * per_layer + h * m.padded_vocab_size)
+    moe_blocks = sum(m.moe_blocks)
+    # the MLP widths a token passes through, summed over the blocks
+    mlp_width = (m.num_layers - moe_blocks) * m.ffn_size + moe_blocks * (
+        m.moe_router_topk * m.moe_expert_ffn_size + (m.moe_shared_expert_intermediate_size or 0))
+    attention = 2 * h * h + 2 * h * kv + 2 * s * h
+    forward = 2 * (m.num_layers * attention + mlp_matrices * h * mlp_width
+                   + h * m.padded_vocab_size)
     return 3.0 * forward
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.report.units import human
 from tests.pretrain_fixtures import REPO, cli, env
 
 pytestmark = pytest.mark.slow
@@ -110,3 +111,31 @@ def test_dry_run_reflects_overrides_and_layout():
     assert 'residual_scheme = "pre"' in out
     assert "world 8 = tp 2 x pp 1 x dp 4" in out
     assert "tokens per step: 8,192" in out  # 64 sequences x 128 tokens
+
+
+MOE = ["--model.num_experts=8", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=96",
+       "--model.moe_shared_expert_intermediate_size=256", "--model.moe_layer_freq=[1,0,1,0,1,1]",
+       "--parallel.ep=2", "--data.micro_batch_size=8"]
+
+
+def test_dry_run_counts_what_the_built_moe_model_holds(single_rank):
+    """The dry run's total is the parameters of the model a run builds (count_parameters), its
+    active count the total less the routed experts a token skips: 4 MoE blocks x (8 - 2)
+    experts x 3 x 128 x 96 (SwiGLU experts of width 96 at hidden 128) fewer."""
+    from model.builder import build_model, count_parameters
+    from model.config import ParallelConfig
+    from pretrain.config import load_config
+
+    done = cli("train", "--config", "configs/demo-cpu.toml", "--dry-run", *MOE,
+               extra_env={"WORLD_SIZE": "4"}, check=False)
+    _check_verdict(done.returncode, done.stderr)
+    config = load_config("configs/demo-cpu.toml", MOE)
+    total = count_parameters(build_model(config.model, ParallelConfig(), seed=1))
+    active = total - 4 * (8 - 2) * 3 * 128 * 96
+    assert f"parameters: {total:,} ({human(total)}); active per token: {active:,} " in \
+        done.stdout, done.stdout
+    assert "top-2 of 8 routed experts and the shared expert in 4 MoE blocks; routed experts " \
+        f"{4 * 8 * 3 * 128 * 96:,}" in done.stdout
+    assert "layout: world 4 = tp 1 x pp 1 x dp 4, recompute none; experts: ep 2 x etp 1 x pp 1 " \
+        "x expert dp 2" in done.stdout
+
