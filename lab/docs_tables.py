@@ -1,5 +1,5 @@
 """python -m lab.docs_tables [--write]
-python -m lab.docs_tables --publish RUN_DIR [--seeds DIR ...] [--date YYYY-MM-DD]
+python -m lab.docs_tables --publish RUN_DIR [--seeds DIR ...] [--date YYYY-MM-DD] [--kind cpu-moe]
 
 The CPU sweep's tables in README.md and docs/lab.md, generated from the newest dated results
 file ``docs/sweep/cpu-YYYY-MM-DD.csv`` and its seed check ``cpu-seeds-YYYY-MM-DD.csv``, so no
@@ -12,6 +12,9 @@ holds them equal).
 ``cpu-DATE.csv`` (every row carries its cell's seed and commit), the cells of the ``--seeds``
 sweeps (the same preset cells run with other seeds) together with the same-named cells of
 RUN_DIR as ``cpu-seeds-DATE.csv``, and RUN_DIR's two plots, then rewrites the tables.
+``--kind cpu-moe`` publishes the mixture-of-experts sweep (configs/sweep/cpu-moe.toml) the same
+way, as ``cpu-moe-DATE.csv`` and ``cpu-moe-seeds-DATE.csv`` with its plots prefixed
+``cpu-moe-``; its table (main grid and seeds in one) is generated from those files.
 """
 
 from __future__ import annotations
@@ -34,9 +37,15 @@ PLOTS = ("val_loss_vs_lr.png", "loss_curves.png")
 NUMBERS = {"layers": int, "warmup": int, "lr": float, "final_val_loss": float, "seed": int}
 
 
-def newest(kind: str) -> Path:
+KINDS = ("cpu", "cpu-moe")
+"""The published sweeps: the dense CPU sweep and the mixture-of-experts one."""
+
+
+def newest(kind: str, required: bool = True) -> Path | None:
     files = sorted(SWEEP_DOCS.glob(f"{kind}-????-??-??.csv"))
     if not files:
+        if not required:
+            return None
         raise SystemExit(f"lab.docs_tables: no {kind}-YYYY-MM-DD.csv in {SWEEP_DOCS}")
     return files[-1]
 
@@ -116,19 +125,30 @@ def blocks(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str) 
                          f"\n\n{seeds_table(seed_rows)}"}
 
 
-def publish(run_dir: Path, seed_dirs: list[Path], date: str) -> None:
+def moe_block(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str) -> str:
+    """The MoE sweep's main grid and its seed check, as lab.md shows them."""
+    fixed, subset = main_slice(rows)
+    return (f"From [{name}](sweep/{name}) ({len(rows)} cells, {_commits(rows)}); "
+            f"{fixed['layers']} blocks, warm-up {fixed['warmup']}:\n\n"
+            f"{slice_table(subset, 'lr', bold_best=True)}\n\n"
+            f"Seeds, from [{seeds_name}](sweep/{seeds_name}) ({_commits(seed_rows)}):\n\n"
+            f"{seeds_table(seed_rows)}")
+
+
+def publish(run_dir: Path, seed_dirs: list[Path], date: str, kind: str = "cpu") -> None:
     rows = read_rows(run_dir / "results.csv")
     seed_rows = [r for d in seed_dirs for r in read_rows(d / "results.csv")]
     names = {r["name"] for r in seed_rows}
     seed_rows = [r for r in rows if r["name"] in names] + seed_rows
-    for kind, found in (("cpu", rows), ("cpu-seeds", seed_rows)):
-        with (SWEEP_DOCS / f"{kind}-{date}.csv").open("w", newline="") as f:
+    for name, found in ((kind, rows), (f"{kind}-seeds", seed_rows)):
+        with (SWEEP_DOCS / f"{name}-{date}.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(found)
+    prefix = "" if kind == "cpu" else f"{kind}-"
     for plot in PLOTS:
         if (run_dir / plot).is_file():
-            shutil.copyfile(run_dir / plot, SWEEP_DOCS / plot)
+            shutil.copyfile(run_dir / plot, SWEEP_DOCS / f"{prefix}{plot}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,14 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=Path, nargs="*", default=[],
                    help="finished seed-check sweeps' folders")
     p.add_argument("--date", default=datetime.date.today().isoformat())
+    p.add_argument("--kind", choices=KINDS, default="cpu",
+                   help="which sweep --publish publishes (default: the dense CPU sweep)")
     args = p.parse_args(argv)
     if args.publish:
         for folder in (args.publish, *args.seeds):
             if not (folder / "results.csv").is_file():
                 p.error(f"'{folder / 'results.csv'}' does not exist: not a finished sweep")
-        publish(args.publish, args.seeds, args.date)
+        publish(args.publish, args.seeds, args.date, args.kind)
     path, seeds = newest("cpu"), newest("cpu-seeds")
     generated = blocks(read_rows(path), path.name, read_rows(seeds), seeds.name)
+    moe, moe_seeds = newest("cpu-moe", required=False), newest("cpu-moe-seeds", required=False)
+    if moe is not None and moe_seeds is not None:
+        generated["lab-moe"] = moe_block(read_rows(moe), moe.name, read_rows(moe_seeds),
+                                         moe_seeds.name)
     return refresh_docs(DOCS, "sweep-results", generated, path.name,
                         args.write or bool(args.publish))
 
