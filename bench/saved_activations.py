@@ -4,7 +4,10 @@ next to the dry run's estimate of them and as a ratio to pre.
 Autograd's saved tensors are counted with ``torch.autograd.graph.saved_tensors_hooks`` during
 one forward: every distinct storage once (a view keeps its whole storage alive), parameters
 left out. A layer's share is the difference between a model with ``--layers + 1`` layers and
-one with ``--layers``, so embedding, output layer and loss cancel. This is the part of
+one with ``--layers``, so embedding, output layer and loss cancel; its share per token is
+its growth from half of ``--seq`` to all of it, so what a layer keeps once whatever the
+tokens (mHC's fp32 gate vectors) is apart (``once``) and the count per token is exact. This
+is the part of
 activation memory the code decides (what each kernel and module keeps), independent of the
 allocator, and it runs the same computation on a CPU (Triton's interpreter, torch's fused CPU
 attention) as on a GPU, so the memory targets of the residual schemes can be checked anywhere;
@@ -65,27 +68,31 @@ def saved_bytes(model, batch) -> int:
 
 
 def layer_bytes(args, scheme: str) -> dict:
-    """Measured and estimated bytes per token one layer of ``scheme`` keeps."""
+    """Bytes one layer of ``scheme`` keeps: per token, measured and estimated, and measured
+    once whatever the tokens."""
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
     from pretrain.report.dry_run import Fusions, estimated_layer_bytes
     from runtime import device
 
     dtype = DTYPES[args.dtype]
-    batch = random_batch(args.vocab, args.batch, args.seq, device.compute_device())
-    measured = []
+    lengths = (args.seq // 2, args.seq)
+    batches = [random_batch(args.vocab, args.batch, s, device.compute_device()) for s in lengths]
+    kept = []  # [layers][length]
     for layers in (args.layers, args.layers + 1):
         config = ModelConfig(residual_scheme=scheme, num_layers=layers, hidden_size=args.hidden,
                              num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
                              vocab_size=args.vocab, seq_length=args.seq)
         [model] = build_model(config, ParallelConfig(), dtype, args.norm_backend, seed=0)
-        measured.append(saved_bytes(model, batch))
+        kept.append([saved_bytes(model, batch) for batch in batches])
+    short, full = (more - fewer for fewer, more in zip(*kept, strict=True))
+    per_token = (full - short) / (args.batch * (lengths[1] - lengths[0]))
     tc = model.config
     fusions = Fusions(activation=tc.bias_activation_fusion,
-                      cross_entropy=tc.cross_entropy_loss_fusion)
-    tokens = args.batch * args.seq
-    return {"scheme": scheme, "measured": (measured[1] - measured[0]) / tokens,
-            "estimated": estimated_layer_bytes(config, dtype.itemsize, fusions)}
+                      cross_entropy=tc.cross_entropy_loss_fusion, rope=tc.apply_rope_fusion)
+    return {"scheme": scheme, "measured": per_token,
+            "once": full - per_token * args.batch * args.seq,
+            "estimated": estimated_layer_bytes(config, dtype.itemsize, fusions, args.batch)}
 
 
 def main(argv=None) -> None:
@@ -104,13 +111,14 @@ def main(argv=None) -> None:
     print(versions_line())
     print(f"shape: {args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}, "
           f"batch {args.batch}, {args.dtype}, norms {args.norm_backend}; bytes per token and "
-          f"layer kept for backward (h = hidden size in values of the dtype)\n")
+          f"layer kept for backward (h = hidden size in values of the dtype); the last column "
+          f"is what a layer keeps once, whatever the tokens\n")
     width = DTYPES[args.dtype].itemsize
     rows = [[r["scheme"], f"{r['measured']:,.0f}", f"{r['measured'] / (width * h):.2f} h",
-             f"{r['estimated']:,.0f}", f"{r['measured'] / base['measured']:.3f}"]
-            for r in results]
+             f"{r['estimated']:,.0f}", f"{r['measured'] / base['measured']:.3f}",
+             f"{r['once']:,.0f}"] for r in results]
     print(markdown_table(["scheme", "measured B", "measured", "dry-run estimate B",
-                          "layer / pre"], rows))
+                          "layer / pre", "once per layer B"], rows))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from kernels.backend import NormBackend
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from model.megatron_config import transformer_config
-from model.schemes import Activation, FinalNorm, Recompute
+from model.schemes import Activation, FinalNorm, PositionEmbedding, Recompute
 from model.sizes import ParameterCount
 from model.sizes import parameter_count as model_parameter_count
 from pretrain.config import Config, to_toml, validate
@@ -24,27 +24,43 @@ from runtime import cpu_compat, parallel
 class Fusions:
     """The megatron fusions that change what is kept for backward: ``activation`` is
     ``bias_activation_fusion`` (SwiGLU keeps only its input), ``cross_entropy`` is
-    ``cross_entropy_loss_fusion`` (megatron's compiled native loss)."""
+    ``cross_entropy_loss_fusion`` (megatron's compiled native loss), ``rope`` is
+    ``apply_rope_fusion`` (Transformer Engine's RoPE keeps no cos/sin per layer)."""
 
     activation: bool = False
     cross_entropy: bool = False
+    rope: bool = False
 
     @classmethod
     def of(cls, config: Config) -> Fusions:
         """The fusions a run of ``config`` uses, read from the megatron config it builds, so the
         estimate follows when they are switched on."""
-        tc = transformer_config(config.model, config.parallel)
+        tc = transformer_config(config.model, config.parallel,
+                                positions_per_token=config.data.reset_position_ids)
         return cls(activation=tc.bias_activation_fusion,
-                   cross_entropy=tc.cross_entropy_loss_fusion)
+                   cross_entropy=tc.cross_entropy_loss_fusion, rope=tc.apply_rope_fusion)
 
 
-def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int]:
-    """Per token, the bytes one layer keeps for backward as (held whole by every TP rank unless
-    sequence parallel, split over TP). The terms are explained in :func:`activation_bytes`."""
+@dataclass(frozen=True)
+class LayerBytes:
+    """The bytes one layer keeps for backward per token, by how they divide: ``whole`` is held
+    by every TP rank unless sequence parallel, ``split`` is split over TP, ``rope`` (RoPE's
+    cos/sin) is per position on every rank, shared by a micro-batch's sequences unless each
+    token has its own position (``data.reset_position_ids``)."""
+
+    whole: int
+    split: int
+    rope: int
+
+
+def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> LayerBytes:
+    """What one layer keeps, in an activation dtype of ``width`` bytes; the terms are explained
+    in :func:`activation_bytes`."""
     traits = m.residual_scheme.traits
     h, f, heads, groups = m.hidden_size, m.ffn_size, m.num_attention_heads, m.kv_heads
-    kv = groups * (h // heads)
-    streams = traits.stream_values(m) * h * width
+    head_dim = h // heads
+    kv = groups * head_dim
+    streams = traits.stream_values(m) * h * width + traits.token_bytes(m, width)
     dropout_masks = 2 * h if m.hidden_dropout > 0 else 0
     whole = streams + 2 * h * width + dropout_masks  # + the two branch inputs
     attention = (h + 2 * kv + h + kv + h) * width + 4 * heads
@@ -56,13 +72,18 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> tuple[int, int
         mlp = (2 * f + (f if fusions.activation else 3 * f)) * width
     else:
         mlp = 2 * f * width
-    return whole, attention + mlp
+    unfused_rope = m.position_embedding is PositionEmbedding.ROPE and not fusions.rope
+    rope = 4 * head_dim * width if unfused_rope else 0
+    return LayerBytes(whole, attention + mlp, rope)
 
 
-def estimated_layer_bytes(model: ModelConfig, width: int, fusions: Fusions) -> int:
+def estimated_layer_bytes(model: ModelConfig, width: int, fusions: Fusions,
+                          sequences: int = 1) -> float:
     """Bytes per token one layer keeps for backward without TP or SP (see
-    :func:`activation_bytes`), in an activation dtype of ``width`` bytes."""
-    return sum(_layer_bytes(model, width, fusions))
+    :func:`activation_bytes`), in an activation dtype of ``width`` bytes, with ``sequences``
+    sequences per micro-batch sharing their positions."""
+    kept = _layer_bytes(model, width, fusions)
+    return kept.whole + kept.split + kept.rope / sequences
 
 
 def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) -> float:
@@ -81,6 +102,9 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       QKV-norm adds kv (the normalised V; its fused kernel reads the QKV output, kept anyway,
       and writes Q and K where RoPE reads them) and 8 (a + 2g) bytes of per-head-row fp32
       statistics; QK-norm (olmo2) only the statistics of Q and K, 8 (a + g) bytes.
+      Unfused RoPE (megatron's without Transformer Engine) keeps the cos and sin it applies
+      to Q and to K: 4 head_dim values per position, which a micro-batch's sequences share
+      unless each token has its own position (``data.reset_position_ids``).
     - MLP: h, the fc1 input; 2f, the fc1 output (f for GELU); then megatron's unfused SwiGLU
       keeps silu(gate), up + 0 (its glu_linear_offset add copies) and their product, the fc2
       input: 3f; with the activation fusion only the product, f; GELU its output, f.
@@ -98,9 +122,12 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       into every stream (h) and, dynamic, the normalised streams its weights come from (n h).
       mHC: per sublayer the streams (n h, read by the mapping's product, the aggregation and
       H_res), its norm's input (h) and the branch output H_post scales (h); the flattened
-      streams' RMS is applied after the product, so no normalised copy is kept. Both leave
-      out their per-token mixing coefficients (O(n^2) values; mHC's Sinkhorn keeps only its
-      logits and recomputes its iterations in backward).
+      streams' RMS is applied after the product, so no normalised copy is kept.
+      Next to these, ``Traits.token_bytes``: the statistics of each norm outside the
+      branches (two fp32 values per row of the Triton norms: 8 bytes per token and norm) and
+      a scheme's own per-token tensors, such as the mixing coefficients of hc and mhc
+      (O(n^2) values per sublayer; mHC's Sinkhorn keeps only its logits and recomputes its
+      iterations in backward).
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
     - document attention (data.document_attention): the micro-batch's int32 document ids, 4
       bytes per token, shared by every layer (flex attention's block mask is O((s/128)^2),
@@ -110,7 +137,8 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     That is pre, post, deepnorm, mixln and olmo2 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f,
     periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f, hc
     (4n + 9)h + 3kv + 5f dynamic and (2n + 9)h + 3kv + 5f static, mhc (2n + 9)h + 3kv + 5f
-    (2f less each with the activation fusion).
+    (2f less each with the activation fusion), plus RoPE's 4 head_dim values per position
+    and each scheme's ``Traits.token_bytes``.
     The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
     (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
     with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the
@@ -121,11 +149,13 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     layers' activations for each; full recomputation keeps each layer's n-stream input plus one
     layer being recomputed; selective recomputation (core attention) saves next to nothing with
     flash attention and counts as none. The terms inside the branches split over TP, their
-    inputs and the rest only with sequence parallelism. Left out: per-row norm statistics and
-    RoPE's cos/sin (each under 0.5% here) and backward's short-lived buffers. Against one H100
-    at the paper's 1.3B shape this is within 1% for the schemes measured with today's kernels;
-    per layer, every scheme is checked against the tensors autograd keeps (README, "Activation
-    memory").
+    inputs and the rest only with sequence parallelism; RoPE's cos/sin neither. Left out:
+    backward's short-lived buffers, the statistics of the norms that close the decoder (8 to
+    24 bytes per token, once) and what a layer keeps once whatever the tokens (mHC's fp32
+    gate vectors, 4 (n^2 + 2n) bytes per sublayer). Against one H100 at the paper's 1.3B
+    shape this is within 0.5% for the schemes measured with today's kernels; per layer, every
+    scheme's count per token is held exactly to the tensors autograd keeps (README,
+    "Activation memory").
     """
     m, p, d = config.model, config.parallel, config.data
     if fusions is None:
@@ -134,8 +164,9 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     tokens = config.seq_length * d.micro_batch_size
     width = 2 if config.run.params_dtype != "fp32" else 4
     sp = p.tp if p.sequence_parallel else 1
-    whole, split = _layer_bytes(m, width, fusions)
-    layer = whole / sp + split / p.tp
+    kept = _layer_bytes(m, width, fusions)
+    sequences = 1 if d.reset_position_ids else d.micro_batch_size  # sharing RoPE's cos/sin
+    layer = kept.whole / sp + kept.split / p.tp + kept.rope / sequences
     layers_per_stage = m.num_layers // p.pp
     in_flight = min(p.pp, max(1, d.global_batch_size // (d.micro_batch_size * dp)))
     streams = m.residual_streams
