@@ -1,7 +1,8 @@
 """Training progress on the console: one live line on a terminal, plain lines in a log file.
 
 On a terminal (stderr is a TTY) a tqdm bar shows step, percentage, elapsed time and ETA, with
-loss, LR, gradient norm, tokens/s (and MFU on a GPU) as its postfix; validation results and
+loss, LR, gradient norm, tokens/s (and MFU on a GPU; with experts the routers' balancing loss
+and the busiest expert's load, ``aux`` and ``load``) as its postfix; validation results and
 other messages print above it. Anywhere else (slurm output, CI, a redirected log) every
 ``run.log_interval`` steps prints one plain line with the same fields, so a log file reads
 top to bottom. The ETA is the remaining steps at the mean time per step of this process so
@@ -40,6 +41,10 @@ def fields(record: dict) -> str:
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     if record.get("mfu") is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    if record.get("moe_aux_loss") is not None:  # mixture of experts (pretrain.train.experts)
+        parts.append(f"aux {record['moe_aux_loss']:.4f}")
+    if record.get("moe_max_load") is not None:
+        parts.append(f"load {record['moe_max_load']:.2f}")
     return " ".join(parts)
 
 

@@ -49,7 +49,7 @@ from pretrain.run.folder import check_writable, prepare_run_dir, run_metadata
 from pretrain.run.lock import RunLock
 from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest, signal_text
-from pretrain.train import diagnostics
+from pretrain.train import diagnostics, experts
 from pretrain.train.evaluate import evaluate_sets, loss_share, per_set, validates
 from pretrain.train.guard import (
     SpikeGuard,
@@ -249,6 +249,7 @@ class Training:
         throughput = Throughput(self.config)
         diag = diagnostics.build(self.config, self.chunks)  # None when off: no hooks at all
         stragglers = Stragglers(self.chunks, r.straggler_ratio, is_logging_rank())
+        routers = experts.build(self.config, self.chunks, self.run_dir, is_logging_rank())
         # compiled runs: what compiles after the first step is said once, where it happened
         self.recompiles = compiled.Recompiles() if self.config.kernels.compile else None
         if step == 0 and validates(self.config):
@@ -257,6 +258,8 @@ class Training:
         while step < r.steps:
             began = time.perf_counter()
             stragglers.step_begins()
+            if routers:
+                routers.step_begins()
             status, verdict, lr, grad_norm = self.step(step, diag)
             step += 1
             self.watchdog.step_done(step)
@@ -277,6 +280,8 @@ class Training:
                 if self.recompiles:
                     record.update(self.recompiles.totals())
                 record.update(stragglers.measure(step))  # collective
+                if routers:
+                    record.update(routers.measure(step))  # collective
                 self.metrics.log(record)
             self.progress.step(step, record)
             if self.recompiles and step == self.begin.position.step + 1:
