@@ -11,7 +11,8 @@ Key families read here, besides the training record's own fields:
 ``diag/{x,y,h}_{rms,grad_norm}/block<NN>`` and ``diag/merge/*``
 (``pretrain.train.diagnostics``); ``downstream/<task>/<metric>``, where a
 ``<metric>_stderr`` becomes the band around its metric and ``chance`` (a multiple-choice
-task's guessing level) a dashed line; ``spike_loss`` of loss-spike events.
+task's guessing level) a dashed line; ``spike_loss`` of loss-spike events; ``moe_load/block<NN>``
+and ``moe_*`` of a mixture-of-experts run (``pretrain.train.experts``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from pretrain.report.expert_load import LOAD_KEY, collapse_load
 from pretrain.report.run_info import RunInfo
 from pretrain.report.series import RunMetrics
 
@@ -226,6 +228,41 @@ def _downstream(metrics: RunMetrics) -> Figure | None:
     return Figure("downstream", "Downstream scores", tuple(plots))
 
 
+def _collapse_level(info: RunInfo) -> tuple[float, str] | None:
+    """The max load above which the training loop calls a router collapsed, from the run's
+    experts and top-k; None when its config does not say them."""
+    experts, topk = info.config.get("model.num_experts"), info.config.get("model.moe_router_topk")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (experts, topk)):
+        return None
+    return collapse_load(experts, topk), "collapse level"
+
+
+def _experts(metrics: RunMetrics, info: RunInfo) -> Figure | None:
+    """A mixture-of-experts run's routers: each MoE block's busiest expert against the level
+    above which it counts as collapsed (``pretrain.report.expert_load``), the least-loaded
+    expert, the share dropped by a capacity factor, and the balancing and z losses."""
+    blocks = sorted((int(m.group(1)), key) for key in metrics.keys("moe_load/")
+                    if (m := LOAD_KEY.match(key)))
+    plots = []
+    if blocks:
+        plots.append(Plot("busiest expert of each MoE block", "max / mean tokens per expert",
+                          tuple(Curve(key, f"block {block}") for block, key in blocks),
+                          by_depth=True, threshold=_collapse_level(info)))
+    for key, title, ylabel, curve, scale in (
+            ("moe_min_load", "least-loaded expert (every MoE block)",
+             "min / mean tokens per expert", "lowest of any block", 1.0),
+            ("moe_dropped", "dropped by the capacity factor", "routed assignments dropped (%)",
+             "dropped", 100.0),
+            ("moe_aux_loss", "load-balancing loss (mean over MoE blocks)",
+             "loss without its coefficient", "balancing loss", 1.0),
+            ("moe_z_loss", "router z-loss (mean over MoE blocks)",
+             "loss without its coefficient", "z-loss", 1.0)):
+        if metrics.has(key):
+            plots.append(Plot(title, ylabel, (Curve(key, curve, scale=scale),)))
+    return Figure("experts", "Mixture of experts: router load and losses", tuple(plots)) \
+        if plots else None
+
+
 def marks(metrics: RunMetrics) -> list[Mark]:
     """Rollbacks (red, dotted: where the run returned to) and settings changed on resume
     (grey, dashed: from which step the new values apply)."""
@@ -247,6 +284,7 @@ def figures(metrics: RunMetrics, info: RunInfo, smooth: int = 0) -> list[Figure]
         _skipped(metrics),
         _stragglers(metrics, info),
         *_streams(metrics),
+        _experts(metrics, info),
         _downstream(metrics),
     ]
     return [f for f in found if f is not None]

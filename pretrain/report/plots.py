@@ -298,8 +298,8 @@ def render(plt, figure: Figure, metrics: RunMetrics, marks: list[Mark], run_titl
         _marks(ax, marks)
         if i < columns:
             _tokens_axis(ax, metrics.series.get("consumed_tokens"))
-    for ax in list(axes.flat)[count:]:
-        ax.axis("off")
+    for ax in list(axes.flat)[count:]:  # the grid's empty places: removed, not just hidden
+        ax.remove()
     fig.suptitle(_wrapped(f"{figure.title} | {run_title}", 11, PANEL_INCHES[0] * columns - 0.4),
                  fontsize=11)
     return fig

@@ -2,9 +2,9 @@
 box in the rendered figure), no title, axis label, tick label or legend entry runs off the
 figure or over another, on a long run with the hard cases at once (a loss spike 250 times the
 loss, a rollback that skips data ahead, two counters holding the same counts, downstream
-scores with their chance level, a null, a long run title); the labels of marks (settings
-changed on resume, rollbacks) stay inside their panel; and one spike does not set an axis
-(``pretrain.report.outliers``)."""
+scores with their chance level, a mixture of experts' router panels, a null, a long run
+title); the labels of marks (settings changed on resume, rollbacks) stay inside their panel;
+and one spike does not set an axis (``pretrain.report.outliers``)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ def _records(kind: str) -> list[dict]:
             "lr": 3e-4 * min(1.0, step / 2000), "skipped_steps": skipped,
             "skipped_spikes": skipped, "tokens_per_s": 9e5 + rng.gauss(0, 1e4),
             "mfu": 0.41, "slowest_ratio": 1.1 + rng.random() / 10,
+            "moe_aux_loss": 1.0 + rng.random() / 50, "moe_z_loss": 2.0 - step / steps,
+            "moe_max_load": 1.6, "moe_min_load": 0.3, "moe_dropped": 0.01 * rng.random(),
+            **{f"moe_load/block{b:02d}": 1.2 + b / 50 for b in range(0, 24, 2)},
             "grad_norm": None if step == 6 * every else
             3e4 if step == spike else 0.4 + rng.random() / 5})
     records.append({"step": spike, "event": "loss_spike", "spike_loss": 650.0})
@@ -98,6 +101,7 @@ def run(request, tmp_path_factory) -> Path:
         json.dumps(c) + "\n" for c in _changes(RUNS[request.param][0])))
     (run / "config.toml").write_text(
         '[model]\nresidual_scheme = "siamese"\nnum_layers = 24\nhidden_size = 2048\n'
+        'num_experts = 64\nmoe_router_topk = 8\n'
         '[logging]\nname = "siamese-1.3b-lr2e-3-350b-with-a-long-name"\n'
         '[run]\nstraggler_ratio = 1.5\n')
     (run / "versions.json").write_text(json.dumps({"git_commit": "0123456789abcdef",
@@ -138,7 +142,7 @@ def drawn(run: Path):
     found = panels.figures(metrics, info)
     assert [f.name for f in found] == [
         "loss", "lr", "grad_norm", "throughput", "skipped", "stragglers", "diag_rms",
-        "diag_grad_norm", "diag_merge", "downstream"]
+        "diag_grad_norm", "diag_merge", "experts", "downstream"]
     figures = []
     try:
         for figure in found:
