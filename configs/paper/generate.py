@@ -1,16 +1,17 @@
 """Write the paper's runs as presets: one small file per residual scheme and run.
 
-    python configs/paper/generate.py          # (re)write configs/paper/1.3b/ and depth/
+    python configs/paper/generate.py          # (re)write configs/paper/1.3b/, depth/ and moe/
     python configs/paper/generate.py --check  # exit 1 if a preset is missing, stale or extra
 
 The paper compares residual schemes run for run, so every scheme gets every run: the 1.3B
-model at each peak LR (and the 350B-token run at 2e-3), the SiameseNorm ablations, and the
-~390M depth sweep. Writing them by hand would mean dozens of near-identical files that drift
-apart; here the table of runs is one screen, what the runs share lives in hand-written bases
-(``_recipe.toml``, ``1.3b/_model.toml``, ``depth/_sweep.toml``), and each generated preset
-states only its scheme, LR or shape, run folder and W&B name (and a smaller micro-batch where
-a scheme needs one), so that a run is launched by its file name alone. A new residual scheme
-gets its presets by running this script again; the tests fail until then.
+model at each peak LR (and the 350B-token run at 2e-3), the SiameseNorm ablations, the ~390M
+depth sweep, and the 15B-total / 2B-active mixture of experts. Writing them by hand would mean
+dozens of near-identical files that drift apart; here the table of runs is one screen, what the
+runs share lives in hand-written bases (``_recipe.toml``, ``1.3b/_model.toml``,
+``depth/_sweep.toml``, ``moe/_model.toml``), and each generated preset states only its scheme,
+LR or shape, run folder and W&B name (and a smaller micro-batch where a scheme needs one), so
+that a run is launched by its file name alone. A new residual scheme gets its presets by
+running this script again; the tests fail until then.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ ABLATIONS = {
 }
 # The depth sweep at ~390M parameters: layers x hidden; heads of 64, SwiGLU of 4 x hidden.
 DEPTHS = ((10, 1280), (17, 1024), (33, 768), (80, 512))
+# The MoE run: peak LR 1e-3, 100B tokens (the shape, chosen here, is in moe/_model.toml).
+MOE_LR = "1e-3"
 # Schemes whose activations do not fit the bases' micro-batch of 4 on an 80 GB GPU (the dry
 # run's estimate, kept under 75% of it by the tests): hyper-connections (hc, mhc) keep four
 # streams per sublayer (mhc 57.4 GiB at 80 x 512 with 4). The same global batch, in more
@@ -96,6 +99,20 @@ def _depth(scheme: str, layers: int, hidden: int) -> tuple[str, str]:
     return f"depth/{name}.toml", header + body
 
 
+def _moe(scheme: str) -> tuple[str, str]:
+    name = f"{scheme}-lr{MOE_LR}"
+    header = (f"# The paper's 15B-total / 2B-active mixture of experts, residual scheme {scheme}:\n"
+              f"# peak LR {MOE_LR}, 100B tokens.\n{NOTICE}"
+              "# Shape, batch and the layouts for 8, 32 and 64 GPUs: _model.toml.\n")
+    body = _toml("_model.toml", {
+        "model": {"residual_scheme": scheme},
+        "optim": {"lr": Literal(MOE_LR)},
+        "run": {"dir": f"runs/paper/moe/{name}"},
+        "logging": {"name": f"moe-{name}"},
+    })
+    return f"moe/{name}.toml", header + body
+
+
 def presets() -> dict[str, str]:
     """Every generated preset: path relative to configs/paper -> file text."""
     files = []
@@ -106,6 +123,7 @@ def presets() -> dict[str, str]:
         files.append(_big(f"{scheme}-lr{lr}-{suffix}", scheme, lr,
                           f"peak LR {lr}, {suffix.upper()} tokens", run={"steps": steps}))
         files += [_depth(scheme, layers, hidden) for layers, hidden in DEPTHS]
+        files.append(_moe(scheme))
     for ablation, switches in ABLATIONS.items():
         files.append(_big(f"siamese-{ablation}-lr1e-3", "siamese", "1e-3",
                           f"ablation: {ablation.replace('-', ' ')}, peak LR 1e-3, 100B tokens",
@@ -114,9 +132,9 @@ def presets() -> dict[str, str]:
 
 
 def _on_disk() -> dict[str, str]:
-    """Generated presets now on disk (every *.toml in the two folders but the _ bases)."""
+    """Generated presets now on disk (every *.toml in the three folders but the _ bases)."""
     return {str(p.relative_to(HERE)): p.read_text()
-            for folder in ("1.3b", "depth") for p in sorted((HERE / folder).glob("*.toml"))
+            for folder in ("1.3b", "depth", "moe") for p in sorted((HERE / folder).glob("*.toml"))
             if not p.name.startswith("_")}
 
 

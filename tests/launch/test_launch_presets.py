@@ -67,6 +67,11 @@ def test_every_scheme_has_every_paper_run():
             m = config.model
             assert (m.residual_scheme, m.num_layers, m.hidden_size) == (scheme, layers, hidden)
             assert config.optim.lr == 1e-3 and 12e9 <= _tokens(config) < 12.01e9
+        moe = load_config(str(PAPER / "moe" / f"{scheme}-lr1e-3.toml"))
+        m = moe.model
+        assert (m.residual_scheme, moe.optim.lr) == (scheme, 1e-3)
+        assert (m.num_experts, m.moe_router_topk, m.moe_layer_freq) == (96, 8, 1)
+        assert 100e9 <= _tokens(moe) < 100.01e9
     both_off = "siamese-no-input-norm-no-depth-constant-lr1e-3.toml"
     ablation = load_config(str(PAPER / "1.3b" / both_off))
     assert not ablation.model.siamese_input_norm and not ablation.model.siamese_depth_constant

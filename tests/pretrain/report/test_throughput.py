@@ -45,6 +45,49 @@ def test_flops_of_a_small_mha_gelu_model_counted_by_hand():
     assert flops_per_token(config) == 3 * (2 * 106_496 + 65_536)
 
 
+MOE_15B = ["--config", "configs/paper/moe/siamese-lr1e-3.toml"]
+
+
+def test_moe_flops_count_the_experts_a_token_runs_through():
+    """Megatron-LM's MoE terms: per MoE block the k routed experts and the shared expert,
+    3 SwiGLU matrices each; per dense block the dense MLP. 4 blocks of h 64, 4 heads / 2 KV
+    groups, seq 32, vocab 512 (padded to 512), blocks 0 and 2 MoE with 8 experts of width 48,
+    top-2, shared expert 96; blocks 1 and 3 dense, SwiGLU 256. Per block forward: Q and
+    projection 2*64*64 each, K and V 2*64*32 each, scores and context 2*32*64 each; MoE MLP
+    2*3*64*(2*48 + 96), dense MLP 2*3*64*256; output layer 2*64*512; times 3 for training.
+    The 6 routed experts a token skips cost nothing."""
+    shape = ["--model.num_layers=4", "--model.hidden_size=64", "--model.num_attention_heads=4",
+             "--model.num_query_groups=2", "--model.ffn_hidden_size=256",
+             "--model.seq_length=32", "--model.vocab_size=512", "--model.num_experts=8",
+             "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=48",
+             "--model.moe_shared_expert_intermediate_size=96", "--model.moe_layer_freq=2"]
+    config = load_config(None, shape)
+    attention = 2 * 2 * 64 * 64 + 2 * 2 * 64 * 32 + 2 * 2 * 32 * 64
+    moe, dense = 2 * 3 * 64 * (2 * 48 + 96), 2 * 3 * 64 * 256
+    assert flops_per_token(config) == 3 * (4 * attention + 2 * moe + 2 * dense + 2 * 64 * 512)
+    more = load_config(None, [*shape, "--model.num_experts=64"])
+    assert flops_per_token(more) == flops_per_token(config)  # more experts, same k: same cost
+
+
+def test_moe_preset_flops_match_megatron_lms_expression_and_drive_mfu(monkeypatch):
+    """The paper MoE preset by Megatron-LM's own expression (its num_floating_point_operations
+    for GQA, SwiGLU, MoE with a shared expert): 12 L h^2 (1 + g/a + s/h) + 6 L h 3 (k f_e + f_s)
+    + 6 h V, 13.60 GFLOP per token; the training's TFLOP/s and MFU are over this count."""
+    config = load_config(*MOE_15B[1:])
+    L, h, a, g, s, V = 24, 2048, 32, 8, 4096, 50304
+    k, f_e, f_s = 8, 1024, 2048
+    expected = 12 * L * h * h * (1 + g / a + s / h) + 6 * L * h * 3 * (k * f_e + f_s) + 6 * h * V
+    assert flops_per_token(config) == pytest.approx(expected, rel=1e-12)
+    assert round(flops_per_token(config) / 1e9, 2) == 13.60
+    monkeypatch.setattr(device, "uses_cuda", lambda: True)
+    monkeypatch.setattr(device, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(device, "peak_memory_gib", lambda: 1.0)
+    monkeypatch.setattr(throughput.dist, "get_world_size", lambda: 8)
+    rates = Throughput(config).measure(10.0)
+    tokens = 1024 * 4096
+    assert rates["mfu"] == pytest.approx(expected * tokens / 10.0 / 8 / 1e12 / 989.0)
+
+
 @pytest.mark.parametrize("name, peak", [
     ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
     ("NVIDIA H200", 989.0), ("NVIDIA GH200 480GB", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
