@@ -94,35 +94,49 @@ def test_per_layer_memory_summaries_name_every_scheme(where):
         "bench.saved_activations --schemes pre,<name>)")
 
 
-def test_sweep_cell_counts_in_the_docs_are_the_presets():
-    """Every "`configs/sweep/NAME.toml`: N cells" (and "N cells" in a preset's own header
-    comment) is the number of cells the preset really runs: a grid naming ``schemes = "all"``
-    grows with the registry, and the prose must follow."""
-    from lab.lr_sweep import load_preset
-
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    claims = [(page.name, m.group(1), int(m.group(2))) for page in pages
-              for m in re.finditer(r"`(configs/sweep/[\w-]+\.toml)`[^.\n]*?: (\d+) cells",
-                                   " ".join(page.read_text().split()))]
-    for preset in sorted((ROOT / "configs" / "sweep").glob("*.toml")):
-        header = re.search(r"^# (\d+) cells", preset.read_text(), re.MULTILINE)
-        if header:
-            claims.append((preset.name, f"configs/sweep/{preset.name}", int(header.group(1))))
-    assert {c[1] for c in claims} >= {"configs/sweep/cpu.toml", "configs/sweep/gpu.toml"}
-    for where, preset, count in claims:
-        cells = len(load_preset(ROOT / preset)[2])
-        assert cells == count, (f"{where}: says {preset} runs {count} cells, it runs {cells} "
-                                f"(lab.lr_sweep.load_preset): write {cells}")
-
-
-def test_generated_scheme_lists_are_the_registrys():
-    """Every generated list (``pretrain/report/scheme_lists.py``) is what the registry gives
-    now; a stale one fails naming every stale file and the command that rewrites them."""
+def test_generated_scheme_lists_and_sweep_counts_are_the_registrys():
+    """Every generated list (``pretrain/report/scheme_lists.py``) and every count the sweep's
+    prose states (``lab/sweep_counts.py``: each preset's cells, "every registered scheme"'s
+    number) is what the registry gives now; a stale one fails naming every stale file and the
+    command that rewrites it. Two commands, because ``pretrain`` may not import ``lab``, which
+    counts a preset's cells."""
+    from lab import sweep_counts
     from pretrain.report import scheme_lists
 
-    stale = scheme_lists.stale()
-    assert not stale, (f"scheme lists out of date with model/schemes.py: {', '.join(stale)}; "
-                       f"rewrite them: {scheme_lists.COMMAND}")
+    lists, counts = scheme_lists.stale(), sweep_counts.stale()
+    stale = ([f"scheme lists out of date with model/schemes.py: {', '.join(lists)}; rewrite "
+              f"them: {scheme_lists.COMMAND}"] if lists else []) + (
+        [f"sweep counts out of date with the presets and the registry: {'; '.join(counts)}; "
+         f"rewrite them: {sweep_counts.COMMAND}"] if counts else [])
+    assert not stale, "\n".join(stale)
+
+
+def test_the_count_check_names_every_stale_count_and_the_command_rewrites_them(tmp_path):
+    """In a copy whose prose predates ``mhc`` (the CPU sweep's 54 cells, 10 schemes: what a
+    newly registered scheme leaves behind), the check names each stale count with its file,
+    its number now and what it counts, and the rewrite makes every file what it is here."""
+    from lab import sweep_counts
+
+    names = ["docs/lab.md", *(p.relative_to(ROOT).as_posix()
+                              for p in sorted((ROOT / "configs" / "sweep").glob("*.toml")))]
+    edits = {"docs/lab.md": [("sweep/cpu.toml`: 59 cells", "sweep/cpu.toml`: 54 cells"),
+                             ('"all"`, 11 today', '"all"`, 10 today')],
+             "configs/sweep/cpu.toml": [("# 59 cells", "# 54 cells")]}
+    for name in names:
+        text = (ROOT / name).read_text()
+        for old, new in edits.get(name, []):
+            assert old in text, (name, old)
+            text = text.replace(old, new, 1)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert sweep_counts.stale(root=tmp_path) == [
+        "docs/lab.md: 59 cells of configs/sweep/cpu.toml, not 54",
+        "configs/sweep/cpu.toml: 59 cells of configs/sweep/cpu.toml, not 54",
+        "docs/lab.md: 11 registered schemes, not 10"]
+    sweep_counts.stale(write=True, root=tmp_path)
+    assert sweep_counts.stale(root=tmp_path) == []
+    for name in names:
+        assert (tmp_path / name).read_text() == (ROOT / name).read_text(), name
 
 
 def test_the_list_check_names_every_stale_file_and_the_command_rewrites_them(tmp_path):
