@@ -185,6 +185,10 @@ class ModelConfig:
     which keeps them small); 0 turns it off, 1e-3 is ST-MoE's value."""
     moe_router_score_function: RouterScore = RouterScore.SOFTMAX
     """softmax | sigmoid: how the router turns its logits into scores."""
+    moe_router_pre_softmax: bool = False
+    """softmax only: the softmax over all experts' logits, then the top k of those
+    probabilities (the Switch Transformer's, needed for top-1); false (megatron's default):
+    the top k logits first, then a softmax over those k (Mixtral's), whose weights sum to 1."""
     moe_router_enable_expert_bias: bool = False
     """The auxiliary-loss-free balance (DeepSeek-V3): a per-expert bias added to the scores
     for the top-k choice only, moved after each step towards the under-loaded experts by
@@ -398,6 +402,7 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
 MOE_FIELDS = ("moe_layer_freq", "moe_router_topk", "moe_ffn_hidden_size",
               "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type",
               "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_score_function",
+              "moe_router_pre_softmax",
               "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
               "moe_expert_capacity_factor", "moe_token_drop_policy",
               "moe_pad_expert_input_to_capacity")
@@ -460,6 +465,13 @@ def _validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
         require(value >= 0, f"model.{name} ({value}) must be >= 0")
     require(model.moe_router_bias_update_rate > 0, f"model.moe_router_bias_update_rate "
             f"({model.moe_router_bias_update_rate}) must be > 0")
+    softmax = model.moe_router_score_function is RouterScore.SOFTMAX
+    require(not model.moe_router_pre_softmax or softmax, "model.moe_router_pre_softmax (true) "
+            "applies to model.moe_router_score_function softmax (got sigmoid)")
+    require(k != 1 or not softmax or model.moe_router_pre_softmax,
+            "model.moe_router_topk (1) with model.moe_router_score_function softmax needs "
+            "model.moe_router_pre_softmax true (a softmax over the one chosen logit is 1 "
+            "whatever the router learns, so it would get no gradient)")
     require(not model.moe_router_enable_expert_bias
             or model.moe_router_score_function is RouterScore.SIGMOID,
             "model.moe_router_enable_expert_bias (true) needs model.moe_router_score_function "

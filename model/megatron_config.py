@@ -131,6 +131,7 @@ def _moe_fields(model: ModelConfig, te_linears: bool) -> dict:
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_z_loss_coeff=z_loss if z_loss > 0 else None,
         moe_router_score_function=model.moe_router_score_function.value,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
         moe_router_bias_update_rate=model.moe_router_bias_update_rate,
         moe_expert_capacity_factor=model.moe_expert_capacity_factor,

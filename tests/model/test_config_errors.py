@@ -3,7 +3,7 @@
 import pytest
 
 from model.backends import te_available
-from model.builder import build_model
+from model.builder import build_model, wrap_ddp
 from model.config import ModelConfig, ParallelConfig
 from pretrain.config import fit_layout, load_config, validate
 from runtime.errors import ConfigError
@@ -66,6 +66,10 @@ CASES = [
      ["model.moe_layer_freq ([1, 0, 1])", "per block (4 blocks)"]),
     (dict(num_experts=4, moe_layer_freq=[0, 0, 0, 0]), {},
      ["model.moe_layer_freq ([0, 0, 0, 0]) makes no block MoE"]),
+    (dict(num_experts=4, moe_router_topk=1), {},
+     ["model.moe_router_topk (1)", "needs model.moe_router_pre_softmax true"]),
+    (dict(num_experts=4, moe_router_pre_softmax=True, moe_router_score_function="sigmoid"), {},
+     ["model.moe_router_pre_softmax (true) applies to", "softmax (got sigmoid)"]),
     *[pytest.param({name: "te"}, {}, [f"model.{name} (te)", "Transformer Engine"],
                    marks=pytest.mark.skipif(te_available(), reason="TE is usable here"))
       for name in ("attention_backend", "transformer_impl")],
@@ -143,3 +147,20 @@ def test_user_errors_come_by_kind(tmp_path):
     for kind in (ConfigError, DataError, CheckpointError):
         assert issubclass(kind, UserError) and not issubclass(kind, tuple(
             k for k in (ConfigError, DataError, CheckpointError) if k is not kind))
+
+
+def test_top1_routing_trains_with_the_advised_pre_softmax(single_rank):
+    """The top-1 refusal's advice, taken: megatron's router builds and a step's gradient
+    reaches the router (a softmax over one chosen logit would give it none)."""
+    import torch
+
+    from runtime.schedule import forward_backward
+    from tests.helpers import MBS, SEQ, batches, tiny_model
+
+    model = tiny_model("siamese", num_experts=4, moe_router_topk=1,
+                       moe_router_pre_softmax=True, moe_aux_loss_coeff=0.0)
+    par = ParallelConfig(distributed_optimizer=False)
+    [ddp] = wrap_ddp(build_model(model, par), par)
+    forward_backward([ddp], batches(1), 1, SEQ, MBS)
+    router = ddp.module.decoder.layers[0].mlp.router.weight
+    assert torch.count_nonzero(router.main_grad) > 0
