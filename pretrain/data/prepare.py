@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
-from multiprocessing import Pool
-from multiprocessing.pool import AsyncResult
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,22 +52,14 @@ from runtime.errors import ConfigError, DataError
 log = logging.getLogger("pretrain")
 
 # Documents per unit of work: big enough that a worker's round trip is cheap, small enough that
-# the few in flight (2 per worker) bound memory; the corpus is never held whole.
+# the few in flight (one per worker) bound memory; the corpus is never held whole.
 CHUNK_DOCUMENTS = 256
 # Without a terminal (a log file) a progress bar is one long line of carriage returns: a plain
 # line at most this often instead.
 LOG_SECONDS = 30.0
 
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _init_worker(model_file: str) -> None:
-    """Load the tokenizer once per process rather than once per document, and leave Ctrl-C to
-    the parent: a terminal sends SIGINT to the whole process group, and a worker interrupted
-    mid-task prints its own traceback; the parent stops in one line and terminates the pool."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    global _worker_tokenizer
-    _worker_tokenizer = open_tokenizer(model_file)
+# How long the parent waits for a killed worker to be reaped before it goes on without.
+STOP_SECONDS = 10.0
 
 
 def _encode_chunk(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -75,9 +70,104 @@ def _encode_chunk(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, n
     return np.concatenate(arrays), np.array([len(a) for a in arrays], dtype=np.int64)
 
 
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _worker_tokenizer is not None
-    return _encode_chunk(_worker_tokenizer, texts)
+def _work(conn: Connection, parent_end: Connection, model_file: str) -> None:
+    """A worker: chunks in, encoded chunks (or the exception) out, until the parent closes its
+    end. Ctrl-C is the parent's: a terminal sends SIGINT to the whole process group, and a
+    worker interrupted mid-task would print its own traceback. The worker is born with SIGINT
+    blocked (:func:`_sigint_blocked`), so a press during its start is discarded here, not
+    raised. Its copy of the parent's end is closed so that the parent's exit, however abrupt,
+    reads here as the end of the input."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    parent_end.close()
+    tokenizer = None
+    while True:
+        try:
+            texts = conn.recv()
+        except EOFError:
+            return
+        try:
+            if tokenizer is None:
+                tokenizer = open_tokenizer(model_file)
+            reply = _encode_chunk(tokenizer, texts)
+        except Exception as err:  # raised again in the parent, with this traceback
+            err.add_note("in a prepare-data worker:\n" + traceback.format_exc().rstrip())
+            reply = err if _picklable(err) else RuntimeError(
+                f"{type(err).__name__}: {err}\n" + "\n".join(err.__notes__))
+        try:
+            conn.send(reply)
+        except OSError:  # the parent is gone
+            return
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT held back while workers are started: a process inherits the signal mask of the
+    thread that starts it (across fork and exec alike), so a Ctrl-C that lands before a worker
+    has set itself to ignore SIGINT stays pending there until it has, and is then dropped.
+    The parent gets its own press when the mask is restored."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _Worker(NamedTuple):
+    process: BaseProcess
+    conn: Connection
+
+
+def _send(worker: _Worker, chunk: list[str]) -> None:
+    try:
+        worker.conn.send(chunk)
+    except OSError:
+        raise _ended(worker) from None
+
+
+def _receive(worker: _Worker) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        reply = worker.conn.recv()
+    except (EOFError, OSError):
+        raise _ended(worker) from None
+    if isinstance(reply, BaseException):
+        raise reply
+    return reply
+
+
+def _ended(worker: _Worker) -> RuntimeError:
+    """A worker gone without a word (killed): said, where a shared pool would wait forever
+    for the result it took along."""
+    worker.process.join(STOP_SECONDS)
+    return RuntimeError(
+        f"prepare-data worker {worker.process.pid} ended with a chunk in hand (exit code "
+        f"{worker.process.exitcode}; -9 is SIGKILL, often the out-of-memory killer: fewer "
+        "--workers use less memory)")
+
+
+def _stop(workers: list[_Worker]) -> None:
+    """SIGKILL, then a bounded wait for each worker; safe at any moment, mid-message included.
+    A worker holds nothing worth finishing (it writes no file) and shares no lock or queue
+    with the parent or the other workers: each has its own pipe, and a message cut off in one
+    is closed unread. (``multiprocessing.Pool.terminate`` stops reading results before it
+    stops the workers: one then sending a result bigger than a pipe holds blocks with the
+    result queue's lock held, which terminate itself then waits for, forever.)"""
+    for worker in workers:
+        if worker.process.pid is not None:
+            worker.process.kill()
+    deadline = time.monotonic() + STOP_SECONDS
+    for worker in workers:
+        if worker.process.pid is not None:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+        worker.conn.close()
 
 
 def _chunks(inputs: list[str | Span], reading: Reading,
@@ -89,20 +179,43 @@ def _chunks(inputs: list[str | Span], reading: Reading,
 
 def _encoded(inputs: list[str | Span], tokenizer: Tokenizer, workers: int, reading: Reading,
              skipped: Skipped) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Encoded chunks in input order. Pool.imap would read the whole input ahead of the
-    workers, so chunks are submitted by hand, at most two per worker ahead of the writer."""
+    """Encoded chunks in input order. Each worker has its own pipe and at most one chunk in
+    hand; the parent reads the oldest result, hands that worker the next chunk (read from the
+    input while the workers encoded), then gives the result to the writer, so the workers
+    encode while it writes. One chunk per worker is what keeps the pipes from deadlocking: the
+    parent only ever sends to a worker that is waiting for input. Closing the generator (any
+    exit, Ctrl-C included) kills the workers (:func:`_stop`)."""
     chunks = _chunks(inputs, reading, skipped)  # read here: ``skipped`` counts in this process
     if workers == 1:
         yield from (_encode_chunk(tokenizer, chunk) for chunk in chunks)
         return
-    with Pool(workers, _init_worker, (tokenizer.path,)) as pool:
-        window: deque[AsyncResult] = deque()
+    context = multiprocessing.get_context()
+    started: list[_Worker] = []
+    try:
+        with _sigint_blocked():
+            for number in range(workers):
+                here, there = context.Pipe()
+                process = context.Process(target=_work, args=(there, here, tokenizer.path),
+                                          name=f"prepare-data-worker-{number}", daemon=True)
+                started.append(_Worker(process, here))
+                process.start()
+                there.close()
+        idle, busy = deque(started), deque()  # busy: the workers with a chunk, oldest first
         for chunk in chunks:
-            window.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(window) > 2 * workers:
-                yield window.popleft().get()
-        while window:
-            yield window.popleft().get()
+            result = None
+            if idle:
+                worker = idle.popleft()
+            else:
+                worker = busy.popleft()
+                result = _receive(worker)
+            _send(worker, chunk)
+            busy.append(worker)
+            if result is not None:
+                yield result
+        while busy:
+            yield _receive(busy.popleft())
+    finally:
+        _stop(started)
 
 
 class Written(NamedTuple):
@@ -167,8 +280,8 @@ def prepare_data(inputs: list[str | Span], tokenizer_model: str, output_prefix: 
     skipped = Skipped()
     try:
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-        # closed on any exit, Ctrl-C included: the pool is terminated before the error line,
-        # not at interpreter shutdown, where its threads print errors of their own
+        # closed on any exit, Ctrl-C included: the workers are stopped before the error line,
+        # not at interpreter shutdown
         with contextlib.closing(_encoded(inputs, tokenizer, workers, reading,
                                          skipped)) as chunks:
             written = _write(builder, chunks)
