@@ -11,8 +11,8 @@ KV cache and without (the model re-reading the whole prefix every step):
 - ``padded``: a left-padded batch (a long prompt and a short one) generated together, with
   and without the cache, and the short prompt alone: ``padded_rows`` / ``padded_nocache_rows``
   / ``alone`` tokens and ``padded_step_rel``;
-- ``bf16_gates`` / ``bf16_rest``: the dtypes of the channel-gate weights and of every other
-  weight when the folder is loaded in bf16;
+- ``bf16``: each weight's dtype when the folder is loaded in bf16, and ``bf16_kept``: the
+  modules its model keeps in fp32 then (``_keep_in_fp32_modules_strict``);
 - ``tokenizer``: where the folder has a tokenizer.json, the ids of :data:`TEXT` by
   ``AutoTokenizer`` (with ``trust_remote_code=True``, as the folder's README says) and by
   ``PreTrainedTokenizerFast`` (no remote code at all), and their classes; the ids of
@@ -98,10 +98,9 @@ def _check(folder: str, tokens, steps: int) -> dict:
         alone, _ = _generate(model, short[None], torch.ones_like(short[None]), steps, True)
     half = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                 dtype=torch.bfloat16)
-    dtypes = {name: str(p.dtype) for name, p in half.named_parameters()}
     return {"class": type(model).__name__, "logits": logits.tolist(),
-            "bf16_gates": sorted({v for k, v in dtypes.items() if "attn_gate" in k}),
-            "bf16_rest": sorted({v for k, v in dtypes.items() if "attn_gate" not in k}),
+            "bf16": {name: str(p.dtype) for name, p in half.named_parameters()},
+            "bf16_kept": list(getattr(half, "_keep_in_fp32_modules_strict", None) or []),
             "greedy": cached[0].tolist(), "greedy_nocache": plain[0].tolist(),
             "step_rel": _rel(cached_logits, plain_logits),
             "padded_rows": rows.tolist(), "padded_nocache_rows": rows_plain.tolist(),

@@ -261,12 +261,22 @@ def test_large_models_are_written_in_shards_with_an_index(exported):
     assert held == index["weight_map"]
 
 
-@pytest.mark.parametrize("case", ["siamese_hybrid", "siamese_hybrid-prenorm", "siamese"])
-def test_bf16_keeps_the_channel_gate_in_fp32(exported, case):
+@pytest.mark.parametrize("case", list(CASES))
+def test_bf16_keeps_the_schemes_fp32_modules_in_fp32(exported, case):
+    """Every case, so every registered scheme: its exported folder loaded in bf16 by
+    transformers alone (each supported release under ``make test-hf-versions``) keeps every
+    module of the scheme's ``Traits.fp32`` in fp32, and exactly the weights under the modules
+    its model keeps (the list itself is held to the registry in-process, for every scheme, by
+    test_hf_precision.py) fp32, every other weight bf16."""
     _, theirs, _ = exported
-    gates = ["torch.float32"] if case.startswith("siamese_hybrid") else []
-    assert theirs[case]["bf16_gates"] == gates
-    assert theirs[case]["bf16_rest"] == ["torch.bfloat16"]
+    scheme = ResidualScheme(CASES[case][0])
+    kept, dtypes = set(theirs[case]["bf16_kept"]), theirs[case]["bf16"]
+    assert set(scheme.traits.fp32) <= kept, (case, sorted(kept))
+    wrong = {name: dtype for name, dtype in dtypes.items()
+             if dtype != ("torch.float32" if kept & set(name.split(".")) else "torch.bfloat16")}
+    assert not wrong, f"{case}: loaded in bf16, these weights have the wrong dtype: {wrong}"
+    held = {module for name in dtypes for module in kept & set(name.split("."))}
+    assert held == kept, f"{case}: no weight under {sorted(kept - held)}"
 
 
 LOAD_AS = """
