@@ -112,6 +112,36 @@ def _causal_mask(sq: int) -> torch.Tensor:
     return torch.ones(sq, sq, dtype=torch.bool).triu(1)
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` as it behaves for a CUDA tensor, for a CPU one:
+    a host copy, as a NumPy array when asked. megatron copies only CUDA tensors, so on the CPU
+    its all-to-all dispatcher would hand ``all_to_all_single`` its split sizes as tensors,
+    which torch's binding refuses (it takes a sequence of ints, as the arrays it gets on CUDA
+    are)."""
+    if not torch.is_tensor(tensor):
+        return tensor
+    copy = tensor.detach().clone()
+    return copy.numpy() if as_numpy else copy
+
+
+def _gather_uneven(original, input_, group, output_split_sizes=None, use_global_buffer=False):
+    """megatron's gather along the first dimension (``tensor_parallel.mappings``), with
+    per-rank sizes too: its ``torch.distributed.all_gather`` into pieces of different lengths
+    is refused by gloo, which gathers equal pieces only. Each rank's piece is padded to the
+    longest, gathered, and cut back. megatron gathers uneven pieces where the MoE dispatcher
+    collects an expert's tokens over its expert-tensor-parallel ranks
+    (``parallel.etp`` > 1 with experts)."""
+    if output_split_sizes is None or group.size() == 1:
+        return original(input_, group, output_split_sizes, use_global_buffer)
+    longest = max(output_split_sizes)
+    padded = input_.new_zeros((longest, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    gathered = input_.new_empty((longest * group.size(), *input_.shape[1:]))
+    torch.distributed.all_gather_into_tensor(gathered, padded, group=group)
+    return torch.cat([piece[:size] for piece, size in
+                      zip(gathered.split(longest), output_split_sizes, strict=True)])
+
+
 def _current_device() -> torch.device:
     """The CPU, as megatron's allocations name a device."""
     return torch.device("cpu")
@@ -148,8 +178,10 @@ _PATCHES = {  # torch.cuda's functions that megatron calls for bookkeeping, on t
 def _megatron_targets() -> list[tuple[object, str, object]]:
     """(module, attribute, CPU replacement) for megatron's private CUDA helpers."""
     from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer import utils
+    from megatron.core.transformer.moe import token_dispatcher
 
     return [
         # megatron's RNG tracker saves/restores CUDA generator state: the CPU generator's.
@@ -160,6 +192,11 @@ def _megatron_targets() -> list[tuple[object, str, object]]:
         # switches a mode off while it handles ``torch.autograd.backward``), so it is replaced.
         (utils, "get_default_causal_mask", _causal_mask),
         (fused_softmax, "get_default_causal_mask", _causal_mask),
+        # The MoE all-to-all dispatcher's split sizes (megatron/core/transformer/moe/
+        # token_dispatcher.py, _maybe_dtoh_and_synchronize).
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
+        (mappings, "_gather_along_first_dim",
+         functools.partial(_gather_uneven, mappings._gather_along_first_dim)),
     ]
 
 

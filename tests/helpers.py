@@ -26,6 +26,21 @@ def tiny_model(scheme: str, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads at 1 inside the block, as every spawned rank computes
+    (:func:`_bootstrap`). The tiny models gain nothing from more, and where the cores are busy
+    (the suite's two workers on two cores, other jobs) torch's threads wait on each other:
+    the parity test's 11 MoE references took 109 s with 2 threads and 4.5 s with 1 under a
+    load average of 5 on the 2-core machine (2026-11-28)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def perturb_every_parameter(model, scale: float = 0.3) -> None:
     """Move every parameter of ``model`` off its initial value, whatever its kind: by
     ``scale`` times its own spread, or by ``scale`` where it has none (norm weights, gates,

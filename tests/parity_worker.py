@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
 from kernels.norms import Norm
 from model.builder import build_model, model_parameters, wrap_ddp
@@ -51,21 +52,56 @@ def mean_loss(chunks) -> float | None:
     return sum(map(sum, per_rank)) / sum(map(len, per_rank)) if dist.get_rank() == 0 else None
 
 
+BALANCING_LOSSES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                    "global_aux_loss": "global_load_balancing_loss"}
+"""megatron's tracker name of each balancing loss (model.moe_router_load_balancing_type)."""
+
+
+def router_losses(model, microbatches: int) -> dict[str, float]:
+    """The routers' balancing and z losses of the passes since the tracker was last cleared
+    (megatron's MoE metrics tracker, without their coefficients), reduced as megatron's
+    training loop reports them: summed over pipeline stages and over the tensor-parallel
+    shards of a sequence, averaged over data-parallel ranks, micro-batches (``microbatches``
+    on this rank) and MoE blocks. A collective: every rank calls it. Empty for a dense
+    model."""
+    if not model.num_experts:
+        return {}
+    balancing = BALANCING_LOSSES.get(model.moe_router_load_balancing_type)
+    names = [name for name, coeff in ((balancing, model.moe_aux_loss_coeff),
+                                      ("z_loss", model.moe_z_loss_coeff)) if name and coeff > 0]
+    found: dict = {}
+    get_moe_metrics_tracker().report(
+        loss_scale=1 / microbatches, iteration=0, force_initialize=True, track_names=names,
+        num_layers=model.num_layers, moe_layer_freq=model.moe_layer_freq,
+        total_loss_dict=found)
+    return {name: float(value) for name, value in found.items()}
+
+
 def run_layout(layout: dict, schemes: list[str], workdir: str,
-               model_overrides: dict | None = None, norm_backend: str = "torch") -> None:
+               model_overrides: dict | None = None, norm_backend: str = "torch",
+               scheme_overrides: dict[str, dict] | None = None) -> None:
     """Load the reference weights into a sharded model, run one batch, save losses and grads.
-    ``model_overrides`` are ModelConfig fields applied to every scheme's tiny model; the model
-    is built with ``norm_backend``, and the backends its norms hold are written down."""
+    ``model_overrides`` are ModelConfig fields applied to every scheme's tiny model, and
+    ``scheme_overrides`` those of one scheme on top; the model is built with
+    ``norm_backend``, and the backends its norms hold are written down. A model with experts
+    also writes its routers' losses (:func:`router_losses`)."""
     par = ParallelConfig(distributed_optimizer=False, **layout)
     parallel.initialize(par)
     for scheme in schemes:
-        model = tiny_model(scheme, **(model_overrides or {}))
+        model = tiny_model(scheme, **(model_overrides or {}),
+                           **(scheme_overrides or {}).get(scheme, {}))
         chunks = wrap_ddp(build_model(model, par, norm_backend=norm_backend), par)
         weights.load(chunks, os.path.join(workdir, scheme, "weights"))
+        get_moe_metrics_tracker().clear()
         mean = mean_loss(chunks)
+        dp = parallel_state.get_data_parallel_world_size()
+        routers = router_losses(model, MICROBATCHES // dp)
         if mean is not None:
             with open(os.path.join(workdir, scheme, "loss.json"), "w") as f:
                 json.dump(mean, f)
+        if routers and dist.get_rank() == 0:
+            with open(os.path.join(workdir, scheme, "router_losses.json"), "w") as f:
+                json.dump(routers, f)
         # every rank's: a pipeline stage may hold no norm at all (a scheme whose blocks have
         # none, on the first stage)
         rank = dist.get_rank()
@@ -78,13 +114,13 @@ def run_layout(layout: dict, schemes: list[str], workdir: str,
     parallel.destroy()
 
 
-def optimizer_step(chunks, distributed: bool):
+def optimizer_step(chunks, distributed: bool, clip_grad: float = 1.0):
     """One AdamW step with megatron's optimizer (sharded across DP when ``distributed``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     # A large eps keeps Adam's update smooth in the gradient: with the default 1e-8, entries
     # whose gradient is near zero turn summation-order noise into +-lr steps.
-    config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=1.0,
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=clip_grad,
                              adam_eps=1e-3, use_distributed_optimizer=distributed)
     optimizer = get_megatron_optimizer(config, chunks)
     optimizer.zero_grad()
@@ -97,13 +133,17 @@ def optimizer_step(chunks, distributed: bool):
     return grad_norm
 
 
-def run_optimizer_step(scheme: str, workdir: str, distributed: bool) -> None:
-    """Load the reference weights, take one optimizer step, save the updated weights."""
-    par = ParallelConfig(distributed_optimizer=distributed)
+def run_optimizer_step(scheme: str, workdir: str, distributed: bool,
+                       layout: dict | None = None, model_overrides: dict | None = None,
+                       clip_grad: float = 1.0) -> None:
+    """Load the reference weights, take one optimizer step, save the updated weights.
+    ``layout``: ParallelConfig fields besides the optimizer's; ``model_overrides``: fields of
+    the tiny model."""
+    par = ParallelConfig(distributed_optimizer=distributed, **(layout or {}))
     parallel.initialize(par)
-    chunks = wrap_ddp(build_model(tiny_model(scheme), par), par)
+    chunks = wrap_ddp(build_model(tiny_model(scheme, **(model_overrides or {})), par), par)
     weights.load(chunks, os.path.join(workdir, "weights"))
-    grad_norm = optimizer_step(chunks, distributed)
+    grad_norm = optimizer_step(chunks, distributed, clip_grad)
     weights.save(chunks, os.path.join(workdir, "stepped"))
     if dist.get_rank() == 0:
         with open(os.path.join(workdir, "grad_norm.json"), "w") as f:
