@@ -104,25 +104,40 @@ def count_parameters(chunks) -> int:
     """This rank's share of the whole model's parameters: summed over the tensor- and
     pipeline-parallel ranks it gives each parameter once, whatever the layout. A tensor
     replicated on every TP rank (norm weights, biases of row-parallel linears) counts on TP
-    rank 0 only; the last pipeline stage's copy of tied embeddings (megatron marks it
-    ``shared``) and a tensor tied within the rank count once."""
+    rank 0 only (a routed expert's on expert-TP rank 0); the last pipeline stage's copy of
+    tied embeddings (megatron marks it ``shared``) and a tensor tied within the rank count
+    once. The routed experts' share is summed over the expert-parallel ranks too
+    (:func:`model_parameters`)."""
+    return sum(param.numel() for param in _counted(chunks))
+
+
+def _counted(chunks):
+    """The parameters :func:`count_parameters` counts, each once."""
     seen: set[int] = set()
-    total = 0
+    expert_tp = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
     for chunk in chunks:
         for param in chunk.parameters():
             if id(param) in seen or not param_is_not_shared(param) \
-                    or not param_is_not_tensor_parallel_duplicate(param):
+                    or not param_is_not_tensor_parallel_duplicate(param,
+                                                                  expert_tp_group=expert_tp):
                 continue
             seen.add(id(param))
-            total += param.numel()
-    return total
+            yield param
 
 
 def model_parameters(chunks) -> int:
-    """Parameters of the whole model, the same number under every TP/PP/VP layout: each
-    rank's :func:`count_parameters` summed over its model-parallel group (a collective: every
-    rank calls it)."""
-    total = torch.tensor([count_parameters(chunks)], dtype=torch.int64,
-                         device=device.compute_device())
-    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    """Parameters of the whole model, the same number under every layout: each rank's
+    :func:`count_parameters` summed over its model-parallel group (TP x PP), except the routed
+    experts' (megatron marks them ``allreduce`` False: expert parallelism splits them over
+    ranks that are data-parallel for the rest), summed over the expert model-parallel group
+    (expert TP x EP x PP) instead. A collective: every rank calls it."""
+    routed = sum(p.numel() for p in _counted(chunks) if not getattr(p, "allreduce", True))
+    dense = count_parameters(chunks) - routed
+    return (_summed(dense, parallel_state.get_model_parallel_group())
+            + _summed(routed, parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
+
+
+def _summed(count: int, group) -> int:
+    total = torch.tensor([count], dtype=torch.int64, device=device.compute_device())
+    torch.distributed.all_reduce(total, group=group)
     return int(total.item())

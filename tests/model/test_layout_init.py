@@ -19,7 +19,7 @@ from model.builder import build_model, count_parameters, wrap_ddp
 from model.config import ParallelConfig
 from runtime import weights
 from runtime.schedule import forward_backward
-from tests.helpers import MBS, SEQ, batches, spawn, tiny_model
+from tests.helpers import MBS, SEQ, batches, one_thread, spawn, tiny_model
 from tests.parity_worker import MICROBATCHES, run_fresh
 
 SEED = 1234
@@ -33,6 +33,18 @@ CASES = {  # name: (scheme, model fields)
 }
 LAYOUTS = {"tp2": (2, dict(tp=2)), "pp2": (2, dict(pp=2)), "pp2-vp2": (2, dict(pp=2, vp=2)),
            "tp2-pp2": (4, dict(tp=2, pp=2))}
+# Models with experts: megatron's checkpoint view numbers experts globally (an extra leading
+# axis of each expert tensor), so a rank holding experts 2 and 3 draws what one process draws
+# for them. Experts in every block beside a shared expert; and in every other block, so dense
+# and MoE blocks are keyed per block.
+EXPERTS = dict(num_experts=4, moe_router_topk=2)
+EXPERT_CASES = {
+    "siamese-experts": ("siamese", {**EXPERTS, "moe_shared_expert_intermediate_size": 32}),
+    "pre-experts-alternate": ("pre", {**EXPERTS, "moe_layer_freq": 2}),
+}
+EXPERT_LAYOUTS = {"ep2": (2, dict(ep=2)),
+                  # the experts split by tensor parallelism too (parallel.etp = tp)
+                  "ep2-tp2-sp": (4, dict(ep=2, tp=2, sequence_parallel=True))}
 PAR = ParallelConfig(distributed_optimizer=False)
 
 
@@ -47,7 +59,7 @@ def single_process(scheme: str, overrides: dict) -> tuple[float, dict]:
 def test_single_process_count_is_the_sum_of_tensor_sizes(single_rank):
     """The reference the layouts are held to, counted independently: every tensor of the
     one-process model (tied embeddings are one tensor there)."""
-    for scheme, overrides in CASES.values():
+    for scheme, overrides in (*CASES.values(), *EXPERT_CASES.values()):
         [model] = build_model(tiny_model(scheme, **overrides), PAR, norm_backend="torch")
         unique = {id(p): p.numel() for p in model.parameters()}
         assert count_parameters([model]) == sum(unique.values()) > 0
@@ -58,12 +70,32 @@ def expected(single_rank):
     return {name: single_process(*case) for name, case in CASES.items()}
 
 
+@pytest.fixture(scope="module")
+def expected_experts(single_rank):
+    with one_thread():  # as the ranks compute (tests.helpers.one_thread)
+        return {name: single_process(*case) for name, case in EXPERT_CASES.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fresh_layout_starts_from_the_single_process_model(expected, layout, tmp_path):
-    world, fields = LAYOUTS[layout]
-    spawn(world, run_fresh, fields, CASES, str(tmp_path), SEED)
-    for name, (scheme, overrides) in CASES.items():
+    check_fresh(expected, CASES, *LAYOUTS[layout], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
+def test_fresh_expert_layout_starts_from_the_single_process_model(expected_experts, layout,
+                                                                  tmp_path):
+    """Models with experts under expert parallelism start from the one-process weights (every
+    routed expert, router and shared expert), count its parameters and give its step-1 loss."""
+    check_fresh(expected_experts, EXPERT_CASES, *EXPERT_LAYOUTS[layout], tmp_path)
+
+
+def check_fresh(expected: dict, cases: dict, world: int, fields: dict, tmp_path) -> None:
+    """Build ``cases`` fresh in ``world`` ranks of layout ``fields``; hold their weights,
+    parameter counts and losses to the single-process ``expected``."""
+    spawn(world, run_fresh, fields, cases, str(tmp_path), SEED)
+    for name, (scheme, overrides) in cases.items():
         ref_loss, ref_params = expected[name]
         [model] = build_model(tiny_model(scheme, **overrides), PAR, norm_backend="torch",
                               seed=SEED + 99)  # other weights, overwritten by the load
