@@ -1,4 +1,7 @@
-"""DP=2 with megatron's DistributedOptimizer takes the same AdamW step as one process."""
+"""DP=2 with megatron's DistributedOptimizer takes the same AdamW step as one process; so do
+models with experts, whose expert weights megatron keeps in an optimizer of their own (their
+gradients reduced over the expert data-parallel group, their share of the gradient norm summed
+over the expert-parallel ranks)."""
 
 import json
 
@@ -12,8 +15,8 @@ from tests.helpers import spawn, tiny_model
 from tests.parity_worker import run_optimizer_step
 
 
-def stepped_weights(folder, scheme) -> dict:
-    [model] = build_model(tiny_model(scheme), ParallelConfig())
+def stepped_weights(folder, scheme, overrides: dict | None = None) -> dict:
+    [model] = build_model(tiny_model(scheme, **(overrides or {})), ParallelConfig())
     weights.load([model], str(folder / "stepped"))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -38,3 +41,49 @@ def test_sharded_optimizer_step_matches_single_process(single_rank, scheme, tmp_
         assert not torch.equal(expected[name], before[name]), f"{name} did not move"
         err = (value - expected[name]).abs().max().item()
         assert err <= 1e-6, (name, err)
+
+
+# Experts in every other block (block 0 MoE, block 1 dense, ...) beside a shared expert, the
+# balancing and z losses on.
+EXPERTS = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=2,
+               moe_shared_expert_intermediate_size=32, moe_z_loss_coeff=1e-3)
+# Low enough that the step is clipped, so a gradient norm that missed or doubled the other
+# rank's experts would scale every update.
+EXPERT_CLIP = 0.05
+
+
+@pytest.mark.slow
+def test_sharded_optimizer_step_with_experts_matches_single_process(single_rank, tmp_path):
+    """With the distributed optimizer and a clipped step, these take the one-process step:
+    DP=2 (experts are ordinary data-parallel parameters), EP=2 (half the experts on each
+    rank, the rest data-parallel: the gradient norm sums both halves of the experts) and
+    TP=2 with whole experts (parallel.etp 1: each expert on both ranks, its gradient averaged
+    and its optimizer state sharded over megatron's expert data-parallel group)."""
+    torch.manual_seed(11)
+    [model] = build_model(tiny_model("siamese", **EXPERTS), ParallelConfig())
+    weights.save([model], str(tmp_path / "weights"))
+    runs = {"single": (1, {}), "dp2": (2, {}), "ep2": (2, {"ep": 2}),
+            "tp2-etp1": (2, {"tp": 2, "sequence_parallel": True, "etp": 1})}
+    for name, (world, layout) in runs.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "weights").symlink_to(tmp_path / "weights")
+        spawn(world, run_optimizer_step, "siamese", str(folder), world > 1, layout, EXPERTS,
+              EXPERT_CLIP)
+    norms = {name: json.loads((tmp_path / name / "grad_norm.json").read_text())
+             for name in runs}
+    assert norms["single"] > 2 * EXPERT_CLIP, norms  # the step is clipped
+    before = {n: p.detach() for n, p in model.named_parameters()}
+    expected = stepped_weights(tmp_path / "single", "siamese", EXPERTS)
+    assert any(".experts." in name for name in expected)
+    for name in ("dp2", "ep2", "tp2-etp1"):
+        assert norms[name] == pytest.approx(norms["single"], rel=1e-5), (name, norms)
+        got = stepped_weights(tmp_path / name, "siamese", EXPERTS)
+        worst = 0.0
+        for key, value in got.items():
+            assert not torch.equal(expected[key], before[key]), f"{key} did not move"
+            err = (value - expected[key]).abs().max().item()
+            assert err <= 1e-6, (name, key, err)
+            worst = max(worst, err)
+        print(f"\n{name} with experts: grad norm {norms[name]:.6g} (one process "
+              f"{norms['single']:.6g}), largest weight difference {worst:.1e}")
