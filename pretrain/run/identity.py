@@ -11,7 +11,8 @@ size (whose scores would look plausible and mean nothing) is refused naming both
 data, batch or seed change on resume is refused unless ``run.allow_data_change``; then the data
 position (samples and tokens consumed) carries on from the checkpoint's, so consumed tokens
 never go backwards and no sample index is reused by accident. A resume also keeps the
-optimizer state's layout (``parallel.distributed_optimizer``), which megatron cannot convert.
+optimizer state's layout (``parallel.distributed_optimizer``, and with experts whether their
+state is kept apart: :func:`experts_apart`), which megatron cannot convert.
 
 Datasets are identified by a fingerprint of their files, not by path, so moving a corpus to
 another file system keeps a run resumable.
@@ -19,9 +20,11 @@ another file system keeps a run resumable.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from model.config import MOE_FIELDS, ModelConfig
 from pretrain.config import Config
 from pretrain.data.record import fingerprint
 from pretrain.data.tokenizer import open_tokenizer
@@ -40,6 +43,10 @@ CHANGEABLE_MODEL_FIELDS = frozenset({
 # its own input norm and no MLP norm on x. No version builds it now; its checkpoints are
 # refused by name rather than loaded into another function.
 RETIRED_GATED_FIRST_BLOCK = "gated (HybridNorm* of earlier versions, no longer built)"
+_DENSE = {field.name: getattr(field.default, "value", field.default)
+          for field in dataclasses.fields(ModelConfig)
+          if field.name in ("num_experts", *MOE_FIELDS)}
+"""A dense model's mixture-of-experts fields, as an identity records them."""
 
 
 def model_identity(config: Config) -> dict[str, Any]:
@@ -80,9 +87,13 @@ def upgraded(saved: dict[str, Any]) -> dict[str, Any]:
     """A model identity recorded by an earlier version, in today's fields: a field added since
     takes the value the model then had implicitly, so an unchanged model still matches and a
     changed one is named. LayerNorms had a bias until ``model.norm_bias``; the boolean
-    ``hybrid_prenorm_first_block`` became ``hybrid_first_block``."""
+    ``hybrid_prenorm_first_block`` became ``hybrid_first_block``; every model was dense until
+    ``model.num_experts`` (0, and each MoE field at its default), so experts asked of such a
+    checkpoint are named here rather than missed by megatron's load."""
     saved = dict(saved)
     saved.setdefault("norm_bias", saved.get("normalization") == "layernorm")
+    for name, default in _DENSE.items():
+        saved.setdefault(name, default)
     if "hybrid_prenorm_first_block" in saved:
         gated = saved.pop("hybrid_prenorm_first_block")
         saved["hybrid_first_block"] = RETIRED_GATED_FIRST_BLOCK if gated else "hybrid"
@@ -156,14 +167,57 @@ def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
     for checkpoints written before settings were recorded: megatron's own error then)."""
     saved = (settings or {}).get("parallel", {}).get("distributed_optimizer")
     current = config.parallel.distributed_optimizer
-    if saved is None or saved == current:
+    if saved is not None and saved != current:
+        raise CheckpointError(
+            f"checkpoint '{checkpoint}' holds the optimizer state of "
+            f"parallel.distributed_optimizer={str(saved).lower()}, and this start has "
+            f"{str(current).lower()}: the two lay the state out differently; resume with "
+            f"--parallel.distributed_optimizer={str(saved).lower()}, or start a new run from "
+            "its weights with --run.init_from")
+    _check_experts_apart(settings, config, checkpoint)
+
+
+def experts_apart(parallel: dict, model: dict) -> bool:
+    """Whether megatron keeps the routed experts' optimizer state apart from the rest's: with
+    experts that are expert-parallel (``ep`` > 1) or tensor-parallel otherwise than the rest
+    (``etp`` other than ``tp``), it marks them as expert parameters (megatron's
+    ``allreduce`` False) and builds them an optimizer of their own, chained after the
+    other's; otherwise they are ordinary parameters of the one optimizer. ``parallel`` and
+    ``model``: the config's sections as recorded (``Config.to_dict``)."""
+    if not model.get("num_experts"):
+        return False
+    tp = parallel.get("tp", 1)
+    etp = tp if parallel.get("etp") is None else parallel["etp"]
+    return parallel.get("ep", 1) > 1 or etp != tp
+
+
+def _check_experts_apart(settings: dict[str, dict] | None, config: Config,
+                         checkpoint: str) -> None:
+    """Refuse a resume across :func:`experts_apart`: megatron's checkpoint of a chained
+    optimizer (its states numbered, the experts' parameter groups marked expert-parallel) and
+    of a single one are laid out differently, and megatron loads neither as the other (it
+    fails deep in the load on a missing key). Layouts on the same side reshard."""
+    if settings is None or "parallel" not in settings:
         return
+    current = config.to_dict()
+    apart = experts_apart(current["parallel"], current["model"])
+    if experts_apart(settings["parallel"], settings.get("model", {})) == apart:
+        return
+
+    def layout(ep, etp, tp) -> str:
+        return f"parallel.ep {ep}, parallel.etp {tp if etp is None else etp}, parallel.tp {tp}"
+
+    p = settings["parallel"]
+    saved = layout(p.get("ep", 1), p.get("etp"), p.get("tp", 1))
+    here = layout(config.parallel.ep, config.parallel.etp, config.parallel.tp)
+    where = {True: "in an optimizer of their own", False: "with the other parameters'"}
+    fix = {True: "parallel.ep > 1 or parallel.etp other than parallel.tp",
+           False: "parallel.ep 1 and parallel.etp = parallel.tp"}
     raise CheckpointError(
-        f"checkpoint '{checkpoint}' holds the optimizer state of "
-        f"parallel.distributed_optimizer={str(saved).lower()}, and this start has "
-        f"{str(current).lower()}: the two lay the state out differently; resume with "
-        f"--parallel.distributed_optimizer={str(saved).lower()}, or start a new run from its "
-        "weights with --run.init_from")
+        f"checkpoint '{checkpoint}' holds the routed experts' optimizer state "
+        f"{where[not apart]} ({saved}), and this start keeps it {where[apart]} ({here}): "
+        f"megatron lays the two out differently and converts neither; resume with "
+        f"{fix[not apart]}, or start a new run from its weights with --run.init_from")
 
 
 DOCUMENT_FIELDS = ("document_attention", "reset_position_ids", "eod_mask_loss")

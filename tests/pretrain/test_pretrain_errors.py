@@ -376,6 +376,10 @@ EARLY_CASES = {
                                  "for a new run choose another --run.dir"]),
     "resume with other scheme": (lambda c: _resume(c, "finished", "--model.residual_scheme=pre"),
                                  ["model.residual_scheme ('siamese' in the checkpoint"]),
+    "resume a dense run with experts": (
+        lambda c: _resume(c, "finished", "--model.num_experts=4"),
+        ["holds another model: model.num_experts (0 in the checkpoint, 4 here)",
+         "for a new run choose another --run.dir"]),
     "resume with other batch": (
         lambda c: _resume(c, "finished", "--data.global_batch_size=16"),
         ["data.global_batch_size (8 in the checkpoint, 16 here)", "allow_data_change"]),

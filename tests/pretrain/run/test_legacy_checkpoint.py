@@ -52,6 +52,17 @@ def test_retired_hybridnorm_star_block_is_refused_by_name():
         weights_source(str(FIXTURES / "siamese_hybrid_star"), today)
 
 
+def test_a_checkpoint_from_before_experts_is_dense():
+    """Identities recorded before ``model.num_experts`` existed are of dense models: experts
+    asked of one are refused by name before a tensor is read, not left to megatron's load."""
+    config = config_of("siamese")
+    config.model.num_experts = 4
+    with pytest.raises(CheckpointError,
+                       match=r"holds another model: model\.num_experts \(0 in the checkpoint, "
+                             r"4 here\)$"):
+        weights_source(str(FIXTURES / "siamese"), config)
+
+
 def test_legacy_layernorm_identity_needs_norm_bias():
     """The LayerNorm fixture has biases: a model without them is refused by name."""
     config = config_of("siamese")
