@@ -102,6 +102,8 @@ def _kind(module: torch.nn.Module, name: str) -> Decay | None:
     if (name == "weight" and kind.endswith("Router")) or \
             (name == "gate_weight" and kind.startswith("SharedExpert")):
         return Decay.MATRIX
+    if name == "bias" and kind.endswith("Router"):  # its logits' bias (model.add_bias_linear)
+        return Decay.BIAS
     return None
 
 

@@ -13,7 +13,7 @@ VP and DP layouts therefore start from the same model.
 
 The rules (``model.init``, :class:`~model.schemes.InitMethod`; std = ``model.init_method_std``):
 
-- embeddings, QKV and fc1 (the experts' too), the MoE router and shared-expert gate:
+- embeddings, QKV and fc1 (the experts' too), the MoE router (its bias too) and shared-expert gate:
   normal(0, std)
 - attention output projection and fc2 (the experts' too): std / sqrt(2 num_layers)
   (megatron's depth scaling), or std where the scheme scales them itself
@@ -58,8 +58,9 @@ TRUNCATION = 3.0
 """``full_megatron`` draws lie in [-3 std, 3 std]."""
 _INPUT_PROJECTIONS = ("word_embeddings.weight", "position_embeddings.weight",
                       "linear_qkv.weight", "linear_fc1.weight",
-                      # mixture of experts: the router and the shared expert's gate
-                      "router.weight", "shared_experts.gate_weight")
+                      # mixture of experts: the router and the shared expert's gate; the
+                      # router's bias (model.add_bias_linear) is drawn too, as megatron does
+                      "router.weight", "shared_experts.gate_weight", "router.bias")
 _OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 _ZERO_BUFFERS = ("router.expert_bias",)
 """State that is not a parameter but is checkpointed, starting at 0: the MoE router's
