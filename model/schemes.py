@@ -149,13 +149,24 @@ class Traits:
     activation dtype, their outputs rounded once to it: the one list of a scheme's fp32
     computations. ``tests/model/test_precision.py`` holds each to its fp32 computation in a
     bf16 model, and the Hugging Face remote code keeps their weights in fp32 when a model loads
-    in bf16 (``FP32_MODULES`` of its configuration, generated from this)."""
+    in bf16 (``FP32_MODULES`` of its configuration, generated from this). A model with experts
+    adds :data:`EXPERT_FP32`, whatever its scheme."""
 
     @property
     def head_norms(self) -> bool:
         """Attention normalises Q and K per head (and V too under ``qkv_norm``)."""
         return self.qk_norm or self.qkv_norm
 
+
+EXPERT_FP32: tuple[str, ...] = ("router",)
+"""The modules of every scheme's mixture-of-experts blocks that compute in fp32 whatever the
+activation dtype (with ``Traits.fp32`` the one list of fp32 computations): megatron's router,
+run with ``moe_router_dtype`` fp32 (``model/megatron_config.py``) so that its logits, scores
+and top-k choice do not flip routing on bf16 rounding ties; its probabilities stay fp32 until
+they scale the experts' activations. ``tests/model/test_precision.py`` holds it to its fp32
+computation in a bf16 model, and the Hugging Face remote code keeps its weights (and the
+expert bias) in fp32 when a model with experts loads in bf16 (``EXPERT_FP32_MODULES`` of its
+configuration, generated from this)."""
 
 _SIAMESE_FIELDS = ("siamese_input_norm", "siamese_depth_constant")
 

@@ -100,6 +100,24 @@ def trained_run(data, tmp_path_factory):
     return run
 
 
+MOE_ARGS = ("--model.num_experts=4", "--model.moe_router_score_function=sigmoid",
+            "--model.moe_router_enable_expert_bias=true",
+            "--model.moe_router_bias_update_rate=0.1",
+            "--model.moe_shared_expert_intermediate_size=64", "--model.moe_ffn_hidden_size=64")
+
+
+@pytest.fixture(scope="session")
+def moe_run(data, tmp_path_factory):
+    """A tiny siamese run with experts, trained for 3 steps by two ranks that split the
+    experts (parallel.ep=2), made once per session for the tests that read an MoE checkpoint
+    (export, lm-eval): sigmoid routing with the expert bias (moved by each step's load, by a
+    rate large enough to change routes) and a shared expert."""
+    run = tmp_path_factory.mktemp("moe") / "run"
+    cli(*train_args(data, run, "--run.steps=3", "--run.eval_interval=100", "--parallel.ep=2",
+                    *MOE_ARGS), nproc=2)
+    return run
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The markers of the running test, for the tier checks (tests/tiers.py)."""
@@ -112,7 +130,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 # Session fixtures that start processes (the CLI): every test using one, directly or through
 # another fixture, is slow.
-PROCESS_FIXTURES = frozenset({"data", "trained_run"})
+PROCESS_FIXTURES = frozenset({"data", "trained_run", "moe_run"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker

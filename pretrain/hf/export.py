@@ -1,11 +1,12 @@
 """``export-hf``: a checkpoint of any scheme and parallel layout as a Hugging Face model folder.
 
 The checkpoint is loaded whole into one process (``pretrain.unsharded.whole_model``) and
-every tensor is assembled under its global name (:func:`global_tensors`). Then:
+every tensor is assembled under its global name (:func:`global_tensors`; each routed expert
+of an MoE block under its own). Then:
 
-- a ``pre`` model with RMSNorm, SwiGLU, RoPE and no linear biases is a Llama: its tensors are
-  laid out as Llama's (fused Q/K/V split per K/V group, fc1 split into gate and up) and the
-  folder loads with ``AutoModelForCausalLM`` and no code at all;
+- a ``pre`` model with RMSNorm, SwiGLU, RoPE, no linear biases and no experts is a Llama:
+  its tensors are laid out as Llama's (fused Q/K/V split per K/V group, fc1 split into gate
+  and up) and the folder loads with ``AutoModelForCausalLM`` and no code at all;
 - every other model gets the remote-code files of ``pretrain/hf/remote`` (one modeling file
   written from the schemes' equations, with a KV cache for generation) and keeps the
   checkpoint's own parameter names, prefixed ``model.``; it loads with
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 from enum import StrEnum
 from pathlib import Path
@@ -46,16 +48,31 @@ REMOTE_FILES = ("configuration_siamesenorm.py", "modeling_siamesenorm.py")
 # megatron names Pre-Norm blocks' norms after the projection they are fused into
 _PRE_NORM_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
                    (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
+_EXPERTS = ".experts.experts."  # megatron's checkpoint key of an MoE block's routed experts
+
+
+def global_name(tensor) -> str:
+    """The global name of a checkpoint tensor: its key with the indices of the axes the
+    checkpoint stacks it along put back, the block after ``decoder.layers.`` (for blocks the
+    checkpoint stacks) and megatron's expert index (each MoE block's experts are one tensor
+    per weight, ``mlp.experts.experts.*``; the name is the module's own,
+    ``mlp.experts.local_experts.<e>.*``, the expert's number in the whole model)."""
+    key, axes = tensor.key, list(tensor.global_offset[:tensor.prepend_axis_num])
+    if axes and re.match(r"decoder\.layers\.\D", key):
+        key = key.replace("decoder.layers.", f"decoder.layers.{axes.pop(0)}.", 1)
+    if axes and _EXPERTS in key:
+        key = key.replace(_EXPERTS, f".experts.local_experts.{axes.pop(0)}.", 1)
+    if axes:
+        raise RuntimeError(f"export-hf: {tensor.key} is stacked along an axis this export "
+                           "does not know")
+    return key
 
 
 def global_tensors(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor of the unsharded model ``chunk`` by global name: the checkpoint key, with
-    the block index after ``decoder.layers.`` for blocks the checkpoint stacks."""
+    """Every tensor of the unsharded model ``chunk`` by :func:`global_name`."""
     out: dict[str, torch.Tensor] = {}
     for tensor in local_tensors(chunk):
-        blocks, key = tensor.prepend_axis_num, tensor.key
-        if blocks:
-            key = key.replace("decoder.layers.", f"decoder.layers.{tensor.global_offset[0]}.", 1)
+        blocks, key = tensor.prepend_axis_num, global_name(tensor)
         shape, offset = tensor.global_shape[blocks:], tensor.global_offset[blocks:]
         full = out.setdefault(key, torch.empty(shape, dtype=tensor.data.dtype))
         where = tuple(slice(o, o + n) for o, n in zip(offset, tensor.data.shape, strict=True))
@@ -84,7 +101,7 @@ def _json_value(value):
     return value.value if isinstance(value, StrEnum) else value
 
 
-def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
+def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int, gated: bool = False) -> dict:
     """config.json of the remote-code model (``SiameseNormConfig``)."""
     return {
         "architectures": ["SiameseNormForCausalLM"], "model_type": "siamesenorm",
@@ -106,6 +123,22 @@ def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "bos_token_id": None, "eos_token_id": eod,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **(experts_config(model, gated) if model.num_experts else {}),
+    }
+
+
+def experts_config(model: ModelConfig, gated: bool) -> dict:
+    """The mixture-of-experts fields of config.json: what routes a token and what computes
+    it; the training-only ones (balancing losses, the bias's update rate) stay behind.
+    ``gated``: the shared expert has megatron's sigmoid gate (its ``gate_weight``)."""
+    return {
+        "num_experts": model.num_experts, "moe_layer_freq": model.moe_layer_freq,
+        "moe_router_topk": model.moe_router_topk,
+        "moe_ffn_hidden_size": model.moe_expert_ffn_size,
+        "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": gated,
+        "moe_router_score_function": model.moe_router_score_function.value,
+        "moe_router_enable_expert_bias": model.moe_router_enable_expert_bias,
     }
 
 
@@ -214,11 +247,21 @@ def remote_schemes() -> tuple[str, ...]:
 
 
 def require_exportable(model: ModelConfig) -> None:
-    """A one-line error for a scheme the remote code cannot build (a Llama needs none)."""
+    """A one-line error for a scheme the remote code cannot build (a Llama needs none), and
+    for token dropping: megatron's router drops what exceeds an expert's capacity in every
+    forward, evaluation too, by the load of all the tokens of that forward, so a token's
+    output depends on the tokens after it, which a model that generates from a KV cache (and
+    any causal model) cannot compute."""
     scheme = model.residual_scheme.value
     if not hf_llama.is_llama(model) and scheme not in remote_schemes():
         raise ConfigError(f"export-hf: model.residual_scheme ({scheme}) has no Hugging Face "
                           f"remote code; it builds {', '.join(remote_schemes())}")
+    if model.num_experts and model.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"export-hf: model.moe_expert_capacity_factor "
+                          f"({model.moe_expert_capacity_factor}) drops tokens by the load of "
+                          "the whole forward, so a token's output depends on later tokens, "
+                          "which a Hugging Face model generating token by token cannot "
+                          "compute; only a model without token dropping exports")
 
 
 def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str,
@@ -235,7 +278,8 @@ def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str
     if hf_llama.is_llama(model):
         tensors, config = llama_tensors(tensors, model), llama_config(model, dtype, tokenizer.eod)
     else:
-        config = remote_config(model, dtype, tokenizer.eod)
+        gated = any(name.endswith(".shared_experts.gate_weight") for name in tensors)
+        config = remote_config(model, dtype, tokenizer.eod, gated)
         for name in REMOTE_FILES:
             shutil.copy(REMOTE_CODE / name, output / name)
     save_sharded(tensors, output)

@@ -41,10 +41,11 @@ def _hf_config(folder: str) -> dict:
         raise CheckpointError(f"'{folder}/config.json' is not a readable JSON file") from None
 
 
-# What makes a model of this framework a Llama.
+# What makes a model of this framework a Llama. A Llama has no experts: a ``pre`` model with
+# experts is exported with the remote code, as every other scheme.
 LLAMA_CHOICES = {"residual_scheme": ResidualScheme.PRE, "normalization": Normalization.RMSNORM,
                  "activation": Activation.SWIGLU, "position_embedding": PositionEmbedding.ROPE,
-                 "add_bias_linear": False}
+                 "add_bias_linear": False, "num_experts": 0}
 
 
 def is_llama(model: ModelConfig) -> bool:
@@ -66,6 +67,7 @@ def check(folder: str, model: ModelConfig) -> None:
         "position_embedding": (model.position_embedding, PositionEmbedding.ROPE),
         "add_bias_linear": (model.add_bias_linear,
                             bool(hf.get("attention_bias") or hf.get("mlp_bias"))),
+        "num_experts": (model.num_experts, 0),  # a Llama's every MLP is dense
         "num_layers": (model.num_layers, hf.get("num_hidden_layers")),
         "hidden_size": (model.hidden_size, hf.get("hidden_size")),
         "num_attention_heads": (model.num_attention_heads, hf.get("num_attention_heads")),

@@ -23,7 +23,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-from model.schemes import ResidualScheme
+from model.schemes import EXPERT_FP32, ResidualScheme
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = "python -m pretrain.report.scheme_lists --write"
@@ -32,15 +32,16 @@ BLOCK = re.compile(r"(?P<begin># <generated: (?P<name>[\w-]+)>[^\n]*\n)(?P<body>
 
 
 def _tuple(name: str, values: list[str]) -> str:
-    """``name = ("a", "b", ...)`` wrapped at 100 columns."""
-    body = ", ".join(f'"{v}"' for v in values)
+    """``name = ("a", "b", ...)`` wrapped at 100 columns (``("a",)`` for one value)."""
+    body = ", ".join(f'"{v}"' for v in values) + ("," if len(values) == 1 else "")
     lines = textwrap.wrap(f"{name} = ({body})", width=100, subsequent_indent=" " * (len(name) + 4),
                           break_long_words=False, break_on_hyphens=False)
     return "\n".join(lines)
 
 
 def remote_schemes() -> str:
-    """The remote configuration's schemes and, per scheme, the modules kept in fp32."""
+    """The remote configuration's schemes and, per scheme (and in every MoE block), the modules
+    kept in fp32."""
     fp32 = {s.value: s.traits.fp32 for s in ResidualScheme if s.traits.fp32}
     entries = "".join(f"    {scheme!r}: {modules!r},\n".replace("'", '"')
                       for scheme, modules in fp32.items())
@@ -53,7 +54,10 @@ def remote_schemes() -> str:
             f"FP32_MODULES = {{\n{entries}}}\n"
             '"""Per scheme, the modules that compute in fp32 (``Traits.fp32``): their weights '
             "stay fp32\nwhen a model loads in bf16 or fp16 "
-            '(``_keep_in_fp32_modules_strict``)."""\n')
+            '(``_keep_in_fp32_modules_strict``)."""\n'
+            + _tuple("EXPERT_FP32_MODULES", list(EXPERT_FP32)) + "\n"
+            '"""The modules of every scheme\'s MoE blocks that compute in fp32 (``EXPERT_FP32``),'
+            '\nkept in fp32 in a model with experts as ``FP32_MODULES`` are."""\n')
 
 
 def layer_files() -> str:

@@ -12,6 +12,10 @@ before the sigmoid) is further off: two independent roundings are sqrt(2) times 
 RMS. The bound allows 1.25 times one rounding (mHC's mappings, whose product is taken in
 the activation dtype on purpose, measure about 1.0), and a module declared that the model
 does not have fails too.
+
+The MoE blocks' fp32 modules (``EXPERT_FP32``: megatron's router) are held harder: their
+outputs (routing weights and choices) stay fp32, so they must be their fp32 computation
+exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from model.builder import build_model
 from model.config import ParallelConfig
-from model.schemes import ResidualScheme
+from model.schemes import EXPERT_FP32, ResidualScheme
 from tests.helpers import perturb_every_parameter, tiny_model
 
 ONE_ROUNDING = 1.25
@@ -94,3 +98,37 @@ def test_declared_fp32_computations_round_once(single_rank, scheme):
                 f"roundings off its fp32 computation, not one: Traits.fp32 declares it fp32, so "
                 "compute it in fp32 and round its output once (or take it out of Traits.fp32)")
 
+
+
+def test_the_experts_fp32_computations_are_fp32(single_rank):
+    """A bf16 model with experts (sigmoid scores and the expert bias, the most arithmetic):
+    every declared module's outputs are what it computes on its inputs and weights in fp32,
+    in fp32, not rounded at all (the router's weight is bf16 in a bf16 model, as megatron
+    keeps it; its product is fp32)."""
+    cfg = tiny_model("siamese", num_layers=2, hidden_size=64, num_attention_heads=4,
+                     seq_length=64, num_experts=4, moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True)
+    [model] = build_model(cfg, ParallelConfig(), torch.bfloat16, norm_backend="torch", seed=0)
+    perturb_every_parameter(model)
+    calls, hooks = [], []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in EXPERT_FP32:
+            hooks.append(module.register_forward_hook(
+                lambda module, args, kwargs, output, name=name:
+                calls.append((name, module, args, kwargs, output)), with_kwargs=True))
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
+                           generator=torch.Generator().manual_seed(1))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(tokens.to(device), torch.arange(cfg.seq_length).expand_as(tokens).to(device), None)
+    for handle in hooks:
+        handle.remove()
+    assert {name.rsplit(".", 1)[-1] for name, *_ in calls} == set(EXPERT_FP32)
+    for name, module, args, kwargs, output in calls:
+        module.float()  # in place: megatron's modules hold process groups, which do not copy
+        with torch.no_grad():
+            want = outputs(module(*as_fp32(args), **as_fp32(kwargs)))
+        for i, (got, fp32) in enumerate(zip(outputs(output), want, strict=True)):
+            assert got.dtype == fp32.dtype and torch.equal(got, fp32), (
+                f"{name} (output {i}, {got.dtype}) is not its fp32 computation: EXPERT_FP32 "
+                "declares it fp32 (model/schemes.py), so compute it in fp32")

@@ -3,7 +3,9 @@
 The fields mirror the training framework's ``model.*`` fields of the same meaning, so a
 folder's ``config.json`` states the model exactly as it was trained: the residual scheme
 (``pre``, ``post``, ``siamese``, ``siamese_hybrid``, ``deepnorm``, ``hybridnorm``, ``mixln``,
-``hc``, ``periln``, ``olmo2``, ``mhc``) and the switches only some schemes read.
+``hc``, ``periln``, ``olmo2``, ``mhc``) and the switches only some schemes read, and for a
+mixture of experts (``num_experts`` > 0) megatron's fields of what routes a token and what
+computes it.
 """
 
 import os
@@ -66,7 +68,14 @@ FP32_MODULES = {
 }
 """Per scheme, the modules that compute in fp32 (``Traits.fp32``): their weights stay fp32
 when a model loads in bf16 or fp16 (``_keep_in_fp32_modules_strict``)."""
+EXPERT_FP32_MODULES = ("router",)
+"""The modules of every scheme's MoE blocks that compute in fp32 (``EXPERT_FP32``),
+kept in fp32 in a model with experts as ``FP32_MODULES`` are."""
 # </generated>
+
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+"""The router score functions this code computes (megatron's ``moe_router_score_function``)."""
 
 
 class SiameseNormConfig(_Config):
@@ -99,11 +108,22 @@ class SiameseNormConfig(_Config):
         mhc_sinkhorn_iterations: int = 20,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
+        num_experts: int = 0,
+        moe_layer_freq=1,
+        moe_router_topk: int = 2,
+        moe_ffn_hidden_size: int | None = None,
+        moe_shared_expert_intermediate_size: int | None = None,
+        moe_shared_expert_gate: bool = False,
+        moe_router_score_function: str = "softmax",
+        moe_router_enable_expert_bias: bool = False,
         **kwargs,
     ):
         if residual_scheme not in SCHEMES:
             raise ValueError(f"residual_scheme ({residual_scheme!r}) must be one of "
                              f"{', '.join(SCHEMES)}")
+        if moe_router_score_function not in ROUTER_SCORES:
+            raise ValueError(f"moe_router_score_function ({moe_router_score_function!r}) must "
+                             f"be one of {', '.join(ROUTER_SCORES)}")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -128,4 +148,13 @@ class SiameseNormConfig(_Config):
         self.hc_dynamic = hc_dynamic
         self.mhc_sinkhorn_iterations = mhc_sinkhorn_iterations
         self.initializer_range = initializer_range
+        # mixture of experts (megatron's names); 0 experts: every block's MLP is dense
+        self.num_experts = num_experts
+        self.moe_layer_freq = moe_layer_freq
+        self.moe_router_topk = moe_router_topk
+        self.moe_ffn_hidden_size = moe_ffn_hidden_size or intermediate_size
+        self.moe_shared_expert_intermediate_size = moe_shared_expert_intermediate_size
+        self.moe_shared_expert_gate = moe_shared_expert_gate
+        self.moe_router_score_function = moe_router_score_function
+        self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

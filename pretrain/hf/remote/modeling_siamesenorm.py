@@ -11,11 +11,17 @@ Every scheme keeps its residual streams in a small state and shares one attentio
 - hyper-connections (hc) and manifold-constrained ones (mhc): n streams [b, s, n, h], summed
   at the end, then a norm
 
+With experts (``num_experts`` > 0) the MLP of each MoE block is megatron's MoE layer at
+inference: its router (top-k of the fp32 logits, weights by the score function), the chosen
+experts' SwiGLU (or GELU) MLPs scaled by their weights, and the shared expert; no token is ever
+dropped (a model with a capacity factor is not exported), so every token's output is its own.
+
 Conventions that matter for equality with the training framework: Q, K and V come from one
 projection laid out per K/V group (that group's query heads, its key head, its value head);
 per-head Q/K/V norms (siamese_hybrid, hybridnorm; Q/K only for olmo2) act before RoPE; RoPE
 rotates halves; the SwiGLU projection holds [gate | up]; norms compute in fp32; the modules of
-``FP32_MODULES`` (SiameseNorm's channel gate, mHC's mappings) keep fp32 weights. The KV cache
+``FP32_MODULES`` (SiameseNorm's channel gate, mHC's mappings) and ``EXPERT_FP32_MODULES`` (the
+router) keep fp32 weights. The KV cache
 holds keys and values only: every other quantity is per token, so cached generation computes
 exactly what a full forward does.
 """
@@ -31,7 +37,12 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_siamesenorm import FINAL_NORMS, FP32_MODULES, SiameseNormConfig
+from .configuration_siamesenorm import (
+    EXPERT_FP32_MODULES,
+    FINAL_NORMS,
+    FP32_MODULES,
+    SiameseNormConfig,
+)
 
 # DynamicCache takes the model config (for per-layer cache types) since transformers 5.0
 CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
@@ -137,22 +148,130 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.swiglu = config.activation == "swiglu"
-        width = config.intermediate_size * (2 if self.swiglu else 1)
-        self.linear_fc1 = nn.Linear(config.hidden_size, width, bias=config.add_bias_linear)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size,
-                                    bias=config.add_bias_linear)
+    """fc2(act(fc1(x))) of ``width`` (default ``intermediate_size``). As a routed expert it
+    takes each token's router weight p, which scales the activation before fc2 and fc2's bias
+    (megatron's experts: fc2(p act) + p b2)."""
 
-    def forward(self, x):
+    def __init__(self, config, width: int | None = None, bias: bool | None = None):
+        super().__init__()
+        width = width or config.intermediate_size
+        bias = config.add_bias_linear if bias is None else bias
+        self.swiglu = config.activation == "swiglu"
+        self.linear_fc1 = nn.Linear(config.hidden_size, width * (2 if self.swiglu else 1),
+                                    bias=bias)
+        self.linear_fc2 = nn.Linear(width, config.hidden_size, bias=bias)
+
+    def forward(self, x, probs=None):
         a = self.linear_fc1(x)
         if self.swiglu:
             gate, up = a.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
             a = F.gelu(a)
-        return self.linear_fc2(a)
+        if probs is None:
+            return self.linear_fc2(a)
+        p = probs.unsqueeze(-1)
+        out = F.linear((a * p).to(a.dtype), self.linear_fc2.weight)
+        if self.linear_fc2.bias is not None:
+            out = (out + self.linear_fc2.bias * p).to(out.dtype)
+        return out
+
+
+def moe_blocks(config) -> list:
+    """Per block, whether its MLP is an MoE layer (megatron's ``moe_layer_freq``: every k-th
+    block from block 0, or a 0/1 list); all False without experts."""
+    freq, layers = config.moe_layer_freq, config.num_hidden_layers
+    if not config.num_experts:
+        return [False] * layers
+    if isinstance(freq, list):
+        return [bool(f) for f in freq]
+    return [index % freq == 0 for index in range(layers)]
+
+
+class Router(nn.Module):
+    """megatron's top-k router (``TopKRouter`` with ``moe_router_dtype`` fp32), as it routes at
+    inference: logits = x W^T (+ b) in fp32, then
+
+    - softmax: the k largest logits, then the softmax over those k;
+    - sigmoid: scores sigmoid(logits); the k largest of scores + ``expert_bias`` (the
+      auxiliary-loss-free balance's bias chooses but never weighs), weighted by their scores
+      over the sum of the k (the score alone when k = 1).
+
+    Returns (weights [t, k] fp32, experts [t, k])."""
+
+    def __init__(self, config):
+        super().__init__()
+        experts = config.num_experts
+        self.topk, self.score = config.moe_router_topk, config.moe_router_score_function
+        self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(experts)) if config.add_bias_linear else None
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias)
+        if self.score == "softmax":
+            top, chosen = logits.topk(self.topk, dim=-1)
+            return torch.softmax(top, dim=-1), chosen
+        scores = torch.sigmoid(logits)
+        ranked = scores if self.expert_bias is None else scores + self.expert_bias.float()
+        chosen = ranked.topk(self.topk, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.topk > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights, chosen
+
+
+class Experts(nn.Module):
+    """The routed experts, by their number in the model (``local_experts.<e>``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.local_experts = nn.ModuleList(MLP(config, config.moe_ffn_hidden_size)
+                                           for _ in range(config.num_experts))
+
+
+class SharedExpert(MLP):
+    """The MLP every token passes through beside its routed experts (no biases, as megatron's),
+    scaled by sigmoid(x g^T) when it has megatron's gate."""
+
+    def __init__(self, config):
+        super().__init__(config, config.moe_shared_expert_intermediate_size, bias=False)
+        self.gate_weight = (nn.Parameter(torch.zeros(1, config.hidden_size))
+                            if config.moe_shared_expert_gate else None)
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out
+
+
+class MoE(nn.Module):
+    """megatron's MoE layer as F: each token's k routed experts, weighted, summed, plus the
+    shared expert's output."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.router = Router(config)
+        self.experts = Experts(config)
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpert(config)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat)
+        out = torch.zeros_like(flat)
+        for index, expert in enumerate(self.experts.local_experts):
+            token, slot = (chosen == index).nonzero(as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(flat[token], weights[token, slot]))
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(flat)
+        return out.view(x.shape)
 
 
 class Block(nn.Module):
@@ -161,7 +280,7 @@ class Block(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_norm: bool = False, qk_norm: bool = False):
         super().__init__()
         self.self_attention = Attention(config, layer_idx, qkv_norm, qk_norm)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if moe_blocks(config)[layer_idx] else MLP(config)
 
 
 class PreNormBlock(Block):
@@ -527,12 +646,14 @@ class SiameseNormPreTrainedModel(PreTrainedModel):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        # The scheme's fp32 modules (SiameseNorm's channel gate, mHC's mappings) keep fp32
-        # weights when the model loads in bf16 or fp16 ("strict": bf16 too). Named only where
-        # the scheme has some: transformers 4.x refuses a name that is not among the model's
-        # modules.
-        if FP32_MODULES.get(config.residual_scheme):
-            self._keep_in_fp32_modules_strict = list(FP32_MODULES[config.residual_scheme])
+        # The scheme's fp32 modules (SiameseNorm's channel gate, mHC's mappings) and the MoE
+        # router keep fp32 weights when the model loads in bf16 or fp16 ("strict": bf16 too).
+        # Named only where the model has them: transformers 4.x refuses a name that is not
+        # among the model's modules.
+        kept = [*FP32_MODULES.get(config.residual_scheme, ()),
+                *(EXPERT_FP32_MODULES if config.num_experts else ())]
+        if kept:
+            self._keep_in_fp32_modules_strict = kept
 
     def _init_weights(self, module):
         """Only for weights a checkpoint lacks: normal(0, initializer_range) matrices; norms,

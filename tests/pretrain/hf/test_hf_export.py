@@ -2,7 +2,8 @@
 Llama folder, a ``siamese_hybrid`` (HybridNorm* block 0) one written at TP=2 a remote-code
 folder; each loads in a fresh process with no code of this project and gives the same logits
 (fp32, 1e-5) and the same 20 greedy tokens as this framework's model, with the KV cache and
-without. The exported tokenizer reproduces the sentencepiece one. (Every scheme's mapping:
+without; so does a ``siamese`` one with experts written at EP=2. The exported tokenizer
+reproduces the sentencepiece one. (Every scheme's mapping, with and without experts:
 tests/pretrain/hf/test_hf_remote.py.)"""
 
 import json
@@ -61,6 +62,31 @@ def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tm
     want = torch.tensor(theirs["logits"])
     assert ((ours - want).abs().max() / want.abs().max()).item() <= 1e-5
     assert greedy == theirs["greedy"] == theirs["greedy_nocache"]  # with and without KV cache
+    assert theirs["step_rel"] <= 1e-5 and theirs["padded_step_rel"] <= 1e-5
+    assert theirs["padded_rows"][1] == theirs["alone"]
+
+
+def test_an_expert_parallel_moe_checkpoint_exports(single_rank, moe_run, tmp_path):
+    """A siamese checkpoint with experts written by two expert-parallel ranks (each holding
+    two of the four experts of every block) exports whole, trained expert bias and shared
+    expert included, and gives this framework's logits and greedy tokens."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    cli("export-hf", "--checkpoint", str(moe_run / "checkpoints"), "--output", str(out))
+    tensors = load_file(str(out / "model.safetensors"))
+    experts = {name.split(".mlp.experts.local_experts.")[1].split(".")[0] for name in tensors
+               if ".mlp.experts.local_experts." in name}
+    assert experts == {"0", "1", "2", "3"}
+    biases = [t for name, t in tensors.items() if name.endswith("router.expert_bias")]
+    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases)  # moved by training
+    seen = transformers_side({"export": out}, TOKENS, GREEDY, tmp_path)
+    theirs = seen["export"]
+    assert theirs["class"] == "SiameseNormForCausalLM"
+    ours, greedy = our_side(moe_run)
+    want = torch.tensor(theirs["logits"])
+    assert ((ours - want).abs().max() / want.abs().max()).item() <= 1e-5
+    assert greedy == theirs["greedy"] == theirs["greedy_nocache"]
     assert theirs["step_rel"] <= 1e-5 and theirs["padded_step_rel"] <= 1e-5
     assert theirs["padded_rows"][1] == theirs["alone"]
 

@@ -94,6 +94,18 @@ def test_another_shape_is_refused_naming_every_difference(tmp_path):
                                            num_query_groups=4))
 
 
+def test_a_model_with_experts_is_neither_a_llama_nor_filled_from_one(tmp_path):
+    """A Llama's MLPs are dense: a ``pre`` model with experts exports with the remote code
+    (tests/pretrain/hf/test_hf_remote.py), and takes no Llama as run.init_from (one line,
+    before any tensor is read)."""
+    saved_llama(tmp_path)
+    assert hf_llama.is_llama(ours()) and not hf_llama.is_llama(ours(num_experts=4))
+    hf_llama.check(str(tmp_path), ours())
+    with pytest.raises(CheckpointError) as err:
+        hf_llama.check(str(tmp_path), ours(num_experts=4))
+    assert str(err.value).endswith("holds another model: model.num_experts (4 here, 0 there)")
+
+
 def test_a_run_starts_from_a_llama_folder(data, tmp_path):
     """The CLI: train from a Llama saved by transformers with the test run's shape and a zero
     output layer, so its logits are all 0 and its first validation loss is ln(vocabulary)
