@@ -173,7 +173,8 @@ class ModelConfig:
     a gate and a value of this width."""
     moe_shared_expert_intermediate_size: int | None = None
     """Width of the shared expert every token also passes through (DeepSeekMoE's; megatron's
-    name), none by default. Several shared experts are one of their summed width."""
+    name), none by default. Several shared experts are one of their summed width. It has no
+    linear biases (megatron's), so not with ``add_bias_linear``."""
     moe_router_load_balancing_type: LoadBalancing = LoadBalancing.AUX_LOSS
     """aux_loss | seq_aux_loss | global_aux_loss | none: the router's balancing loss
     (model.schemes.LoadBalancing)."""
@@ -456,6 +457,10 @@ def _validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
                     f"model.{name} ({value}) must be divisible by parallel."
                     f"{'etp' if name == 'moe_ffn_hidden_size' else 'tp'} "
                     f"({parallel.expert_tp if name == 'moe_ffn_hidden_size' else parallel.tp})")
+    shared = model.moe_shared_expert_intermediate_size
+    require(shared is None or not model.add_bias_linear,
+            f"model.moe_shared_expert_intermediate_size ({shared}) needs model.add_bias_linear "
+            "false (megatron's shared expert has no linear biases; got true)")
     require(model.moe_expert_ffn_size % parallel.expert_tp == 0,
             f"parallel.etp ({parallel.expert_tp}) must divide the experts' width "
             f"(model.moe_ffn_hidden_size, default model.ffn_hidden_size: "

@@ -70,6 +70,10 @@ CASES = [
      ["model.moe_router_topk (1)", "needs model.moe_router_pre_softmax true"]),
     (dict(num_experts=4, moe_router_pre_softmax=True, moe_router_score_function="sigmoid"), {},
      ["model.moe_router_pre_softmax (true) applies to", "softmax (got sigmoid)"]),
+    # megatron's shared expert asserts add_bias_linear false deep inside the build
+    (dict(num_experts=4, moe_shared_expert_intermediate_size=64, add_bias_linear=True), {},
+     ["model.moe_shared_expert_intermediate_size (64) needs model.add_bias_linear false",
+      "shared expert has no linear biases; got true"]),
     *[pytest.param({name: "te"}, {}, [f"model.{name} (te)", "Transformer Engine"],
                    marks=pytest.mark.skipif(te_available(), reason="TE is usable here"))
       for name in ("attention_backend", "transformer_impl")],

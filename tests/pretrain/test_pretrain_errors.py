@@ -251,6 +251,11 @@ EARLY_CASES = {
     "wsd decay steps without wsd": (lambda c: _train(c, "--optim.wsd_decay_steps=5"),
                                     ["optim.wsd_decay_steps (5)", "not cosine"]),
     "nan norm eps": (lambda c: _train(c, "--model.norm_eps=nan"), ["model.norm_eps (nan)"]),
+    "shared expert with linear biases": (
+        lambda c: _train(c, "--model.num_experts=4", "--model.add_bias_linear=true",
+                         "--model.moe_shared_expert_intermediate_size=64"),
+        ["model.moe_shared_expert_intermediate_size (64) needs model.add_bias_linear false "
+         "(megatron's shared expert has no linear biases; got true)"]),
     "infinite spike factor": (lambda c: _train(c, "--diagnostics.spike_factor=inf"),
                               ["diagnostics.spike_factor (inf)"]),
     "infinite peak TFLOP/s": (lambda c: _train(c, "--logging.peak_tflops=inf"),
