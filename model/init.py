@@ -166,12 +166,14 @@ def start_of(model: ModelConfig, key: str, role: Decay | None) -> Start | None:
 
 
 def block_of(tensor: ShardedTensor) -> int | None:
-    """The global block index of a block's tensor (stacked: its leading offset; keyed per
-    block: the index in its key), None for the embedding, the output layer and the end."""
-    if tensor.prepend_axis_num:
-        return int(tensor.global_offset[0])
+    """The global block index of a block's tensor (keyed per block: the index in its key;
+    stacked: its leading offset), None for the embedding, the output layer and the end. The
+    key decides first: an expert tensor carries its expert index as a leading axis too, the
+    only one where blocks are keyed per block (mixed dense and MoE blocks)."""
     keyed = re.search(r"decoder\.layers\.(\d+)\.", tensor.key)
-    return int(keyed.group(1)) if keyed else None
+    if keyed:
+        return int(keyed.group(1))
+    return int(tensor.global_offset[0]) if tensor.prepend_axis_num else None
 
 
 def start_tensor(model: ModelConfig, start: Start, key: str, block: int | None,
