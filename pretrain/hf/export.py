@@ -127,19 +127,59 @@ def remote_config(model: ModelConfig, dtype: torch.dtype, eod: int, gated: bool 
     }
 
 
+class ExpertField(StrEnum):
+    """What the export does with a mixture-of-experts field of the model (``MOE_FIELDS``)."""
+
+    CARRIED = "carried"
+    """In config.json, and computed by the remote code as megatron computes it."""
+    TRAINING = "training"
+    """Nothing the exported model computes: a training loss, the expert bias's update, or a
+    detail of token dropping (which is refused itself)."""
+    REFUSED = "refused"
+    """The remote code does not compute it: a model that sets it is refused
+    (:data:`REFUSALS`)."""
+
+
+EXPERT_FIELDS = {
+    "moe_layer_freq": ExpertField.CARRIED,
+    "moe_router_topk": ExpertField.CARRIED,
+    "moe_ffn_hidden_size": ExpertField.CARRIED,
+    "moe_shared_expert_intermediate_size": ExpertField.CARRIED,
+    "moe_router_score_function": ExpertField.CARRIED,
+    "moe_router_pre_softmax": ExpertField.CARRIED,
+    "moe_router_enable_expert_bias": ExpertField.CARRIED,
+    "moe_router_load_balancing_type": ExpertField.TRAINING,
+    "moe_aux_loss_coeff": ExpertField.TRAINING,
+    "moe_z_loss_coeff": ExpertField.TRAINING,
+    "moe_router_bias_update_rate": ExpertField.TRAINING,
+    "moe_expert_capacity_factor": ExpertField.REFUSED,
+    # which tokens to drop, and padding to the capacity: acting only with a capacity factor,
+    # refused itself (model.config refuses padding without one)
+    "moe_token_drop_policy": ExpertField.TRAINING,
+    "moe_pad_expert_input_to_capacity": ExpertField.TRAINING,
+}
+"""Every field of ``model.config.MOE_FIELDS`` and what the export does with it; a new MoE
+field fails ``tests/pretrain/hf/test_hf_remote.py`` until it is classified here."""
+
+REFUSALS = {
+    "moe_expert_capacity_factor": lambda value: value is not None and (
+        f"export-hf: model.moe_expert_capacity_factor ({value}) drops tokens by the load of "
+        "the whole forward, so a token's output depends on later tokens, which a Hugging Face "
+        "model generating token by token cannot compute; only a model without token dropping "
+        "exports"),
+}
+"""Per :attr:`ExpertField.REFUSED` field: its value -> the one-line refusal, or a false value
+where that value exports."""
+
+
 def experts_config(model: ModelConfig, gated: bool) -> dict:
     """The mixture-of-experts fields of config.json: what routes a token and what computes
-    it; the training-only ones (balancing losses, the bias's update rate) stay behind.
+    it (the :attr:`ExpertField.CARRIED` fields); the training-only ones stay behind.
     ``gated``: the shared expert has megatron's sigmoid gate (its ``gate_weight``)."""
-    return {
-        "num_experts": model.num_experts, "moe_layer_freq": model.moe_layer_freq,
-        "moe_router_topk": model.moe_router_topk,
-        "moe_ffn_hidden_size": model.moe_expert_ffn_size,
-        "moe_shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
-        "moe_shared_expert_gate": gated,
-        "moe_router_score_function": model.moe_router_score_function.value,
-        "moe_router_enable_expert_bias": model.moe_router_enable_expert_bias,
-    }
+    carried = {name: _json_value(getattr(model, name)) for name, use in EXPERT_FIELDS.items()
+               if use is ExpertField.CARRIED}
+    return {"num_experts": model.num_experts, **carried,
+            "moe_ffn_hidden_size": model.moe_expert_ffn_size, "moe_shared_expert_gate": gated}
 
 
 def llama_config(model: ModelConfig, dtype: torch.dtype, eod: int) -> dict:
@@ -248,20 +288,21 @@ def remote_schemes() -> tuple[str, ...]:
 
 def require_exportable(model: ModelConfig) -> None:
     """A one-line error for a scheme the remote code cannot build (a Llama needs none), and
-    for token dropping: megatron's router drops what exceeds an expert's capacity in every
-    forward, evaluation too, by the load of all the tokens of that forward, so a token's
-    output depends on the tokens after it, which a model that generates from a KV cache (and
-    any causal model) cannot compute."""
+    for an MoE field the remote code does not compute (:data:`REFUSALS`): token dropping,
+    since megatron's router drops what exceeds an expert's capacity in every forward,
+    evaluation too, by the load of all the tokens of that forward, so a token's output
+    depends on the tokens after it, which a model that generates from a KV cache (and any
+    causal model) cannot compute."""
     scheme = model.residual_scheme.value
     if not hf_llama.is_llama(model) and scheme not in remote_schemes():
         raise ConfigError(f"export-hf: model.residual_scheme ({scheme}) has no Hugging Face "
                           f"remote code; it builds {', '.join(remote_schemes())}")
-    if model.num_experts and model.moe_expert_capacity_factor is not None:
-        raise ConfigError(f"export-hf: model.moe_expert_capacity_factor "
-                          f"({model.moe_expert_capacity_factor}) drops tokens by the load of "
-                          "the whole forward, so a token's output depends on later tokens, "
-                          "which a Hugging Face model generating token by token cannot "
-                          "compute; only a model without token dropping exports")
+    if not model.num_experts:
+        return
+    for name, refusal in REFUSALS.items():
+        message = refusal(getattr(model, name))
+        if message:
+            raise ConfigError(message)
 
 
 def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str,

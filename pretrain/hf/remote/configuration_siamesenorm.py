@@ -115,6 +115,7 @@ class SiameseNormConfig(_Config):
         moe_shared_expert_intermediate_size: int | None = None,
         moe_shared_expert_gate: bool = False,
         moe_router_score_function: str = "softmax",
+        moe_router_pre_softmax: bool = False,
         moe_router_enable_expert_bias: bool = False,
         **kwargs,
     ):
@@ -156,5 +157,6 @@ class SiameseNormConfig(_Config):
         self.moe_shared_expert_intermediate_size = moe_shared_expert_intermediate_size
         self.moe_shared_expert_gate = moe_shared_expert_gate
         self.moe_router_score_function = moe_router_score_function
+        self.moe_router_pre_softmax = moe_router_pre_softmax
         self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

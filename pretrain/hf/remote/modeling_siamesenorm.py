@@ -192,7 +192,9 @@ class Router(nn.Module):
     """megatron's top-k router (``TopKRouter`` with ``moe_router_dtype`` fp32), as it routes at
     inference: logits = x W^T (+ b) in fp32, then
 
-    - softmax: the k largest logits, then the softmax over those k;
+    - softmax: the k largest logits, then the softmax over those k; with
+      ``moe_router_pre_softmax``, the softmax over every expert's logit, then the k largest of
+      those probabilities, unnormalised (the only softmax routing at k = 1);
     - sigmoid: scores sigmoid(logits); the k largest of scores + ``expert_bias`` (the
       auxiliary-loss-free balance's bias chooses but never weighs), weighted by their scores
       over the sum of the k (the score alone when k = 1).
@@ -203,6 +205,7 @@ class Router(nn.Module):
         super().__init__()
         experts = config.num_experts
         self.topk, self.score = config.moe_router_topk, config.moe_router_score_function
+        self.pre_softmax = config.moe_router_pre_softmax
         self.weight = nn.Parameter(torch.zeros(experts, config.hidden_size))
         self.bias = nn.Parameter(torch.zeros(experts)) if config.add_bias_linear else None
         if config.moe_router_enable_expert_bias:
@@ -213,6 +216,9 @@ class Router(nn.Module):
     def forward(self, x):
         bias = None if self.bias is None else self.bias.float()
         logits = F.linear(x.float(), self.weight.float(), bias)
+        if self.score == "softmax" and self.pre_softmax:
+            weights, chosen = torch.softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            return weights, chosen
         if self.score == "softmax":
             top, chosen = logits.topk(self.topk, dim=-1)
             return torch.softmax(top, dim=-1), chosen

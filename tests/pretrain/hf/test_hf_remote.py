@@ -13,7 +13,9 @@ test-hf-versions`` runs the transformers side on the oldest and the newest suppo
 """
 
 import contextlib
+import dataclasses
 import importlib.util
+import inspect
 import json
 import shutil
 import sys
@@ -29,13 +31,14 @@ from packaging.version import Version
 
 from model import builder
 from model.builder import build_model
-from model.config import ParallelConfig
+from model.config import MOE_FIELDS, ModelConfig, ParallelConfig
 from model.schemes import ResidualScheme
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.hf import export as hf_export
 from pretrain.hf.export import write_folder
 from pretrain.hf.remote.configuration_siamesenorm import SCHEMES as REMOTE_SCHEMES
 from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
+from pretrain.hf.remote.configuration_siamesenorm import SiameseNormConfig
 from pretrain.unsharded.generate import Sampling, continue_tokens
 from runtime.errors import ConfigError
 from tests.helpers import tiny_model
@@ -71,11 +74,11 @@ CASES = {
     "olmo2": ("olmo2", {}),
     "mhc": ("mhc", {"hc_rate": 3, "mhc_sinkhorn_iterations": 7}),
 }
-# Mixture of experts, one case per scheme, together covering what routes a token (softmax and
-# sigmoid scores, k = 1 (sigmoid only: megatron refuses softmax with k = 1) and more, the
-# expert bias), what computes it (experts narrower than the dense MLP, GELU experts with
-# biases, the shared expert and its gate) and which blocks are MoE (all of them, stacked in
-# the checkpoint; every k-th; a 0/1 list)
+# Mixture of experts, one case per scheme and two more, together covering what routes a token
+# (softmax and sigmoid scores, the softmax before the top k (pre-softmax) at k = 1 and 2, k = 1
+# (softmax needs pre-softmax there) and more, the expert bias), what computes it (experts
+# narrower than the dense MLP, GELU experts with biases, the shared expert and its gate) and
+# which blocks are MoE (all of them, stacked in the checkpoint; every k-th; a 0/1 list)
 SOFTMAX = {"num_experts": 4, "moe_router_topk": 2}
 SIGMOID = {**SOFTMAX, "moe_router_score_function": "sigmoid"}
 BIASED = {**SIGMOID, "moe_router_enable_expert_bias": True}
@@ -98,6 +101,10 @@ MOE_CASES = {
     "olmo2-moe": ("olmo2", {**SIGMOID, "moe_ffn_hidden_size": 48,
                             "moe_layer_freq": [1, 0, 0, 1]}),
     "mhc-moe": ("mhc", {**SOFTMAX, **SHARED, "hc_rate": 3, "mhc_sinkhorn_iterations": 7}),
+    "siamese-moe-pre_softmax-top1": ("siamese", {**SOFTMAX, "moe_router_topk": 1,
+                                                 "moe_router_pre_softmax": True}),
+    "pre-moe-pre_softmax-top2": ("pre", {**SOFTMAX, **SHARED, "moe_router_pre_softmax": True,
+                                         "moe_layer_freq": 2}),
 }
 CASES.update(MOE_CASES)
 
@@ -112,6 +119,25 @@ def test_every_registered_scheme_is_exported_and_tested():
     # and each with experts
     assert {scheme for scheme, fields in CASES.values() if fields.get("num_experts")} \
         == registered
+
+
+def test_every_expert_field_is_carried_refused_or_training_only():
+    """Each MoE field of the model has its treatment in the export (a new field fails here
+    until it has one); each carried field is in config.json, read by the remote config and
+    away from its default in some case above; each refused one has its refusal (token
+    dropping's: the next test)."""
+    assert set(hf_export.EXPERT_FIELDS) == set(MOE_FIELDS)
+    carried = {name for name, use in hf_export.EXPERT_FIELDS.items()
+               if use is hf_export.ExpertField.CARRIED}
+    refused = {name for name, use in hf_export.EXPERT_FIELDS.items()
+               if use is hf_export.ExpertField.REFUSED}
+    assert carried <= set(hf_export.experts_config(tiny_model("siamese", num_experts=4), False))
+    assert carried <= set(inspect.signature(SiameseNormConfig).parameters)
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    for name in carried:
+        assert any(fields.get(name, defaults[name]) != defaults[name]
+                   for _, fields in MOE_CASES.values()), name
+    assert set(hf_export.REFUSALS) == refused
 
 
 def test_export_refuses_a_scheme_without_remote_code(monkeypatch):
