@@ -21,7 +21,7 @@ from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
 from kernels.backend import NormBackend, resolve
-from model import decay
+from model import decay, moe
 from model.config import ModelConfig, ParallelConfig
 from model.gpt import GPT
 from model.init import initialize
@@ -66,6 +66,7 @@ def build_model(
         )
         chunks.append(chunk)
     if model.num_experts:
+        moe.mark_experts(chunks)  # one optimizer-state layout at every ep and etp
         # megatron's MoE metrics tracker is one per process, sized by the depth of the first
         # model that records into it: a new model starts it anew (another depth in the same
         # process indexed past its end).
@@ -128,9 +129,9 @@ def _counted(chunks):
 def model_parameters(chunks) -> int:
     """Parameters of the whole model, the same number under every layout: each rank's
     :func:`count_parameters` summed over its model-parallel group (TP x PP), except the routed
-    experts' (megatron marks them ``allreduce`` False: expert parallelism splits them over
-    ranks that are data-parallel for the rest), summed over the expert model-parallel group
-    (expert TP x EP x PP) instead. A collective: every rank calls it."""
+    experts' (marked ``allreduce`` False, :func:`model.moe.mark_experts`: expert parallelism
+    splits them over ranks that are data-parallel for the rest), summed over the expert
+    model-parallel group (expert TP x EP x PP) instead. A collective: every rank calls it."""
     routed = sum(p.numel() for p in _counted(chunks) if not getattr(p, "allreduce", True))
     dense = count_parameters(chunks) - routed
     return (_summed(dense, parallel_state.get_model_parallel_group())

@@ -10,6 +10,9 @@ checkpoint reshards across expert-parallel sizes like any other.
 
 The experts are megatron's ``SequentialMLP`` of our own tensor-parallel linears (one matrix
 product per local expert), or with Transformer Engine its grouped GEMM (``TEGroupedMLP``).
+
+The routed experts' parameters are expert parameters (megatron's ``allreduce`` False) under
+every layout: :func:`mark_experts`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,29 @@ def _shared_experts(*, config, pg_collection, gate: bool, name: str | None = Non
     """megatron's shared expert (the MLP every token also passes through)."""
     return SharedExpertMLP(config=config, submodules=submodules, gate=gate,
                            pg_collection=pg_collection, name=name)
+
+
+def mark_experts(chunks) -> None:
+    """Mark every routed expert's parameter an expert parameter (``allreduce`` False), at
+    every parallel layout.
+
+    megatron marks them only when the experts are expert-parallel (``parallel.ep`` > 1) or
+    tensor-parallel otherwise than the rest (``parallel.etp`` other than ``parallel.tp``;
+    ``tensor_parallel/layers.py``, ``use_expert_pgs``), and the mark decides the optimizer:
+    marked parameters get an optimizer of their own, chained after the others'
+    (``get_megatron_optimizer``), whose checkpoint keys are numbered apart (``chained_1.``).
+    Left to megatron, a checkpoint of parallel.ep 1 and one of parallel.ep 2 would lay the
+    optimizer state out differently and neither would load as the other. Marked always, the
+    layout is one, and a run resumes at any ep and etp. Nothing else changes at ep 1 with etp
+    = tp: megatron reduces marked gradients over the expert data-parallel group (world /
+    (etp x ep x pp) ranks), then the data-parallel group's ranks, at the same 1/dp scale;
+    their duplicates are filtered over the expert tensor-parallel group, then the
+    tensor-parallel group's ranks; and the gradient norm joins both optimizers' norms."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                for param in module.experts.parameters():
+                    param.allreduce = False
 
 
 def moe_spec(model: ModelConfig, linears: dict):

@@ -11,8 +11,9 @@ size (whose scores would look plausible and mean nothing) is refused naming both
 data, batch or seed change on resume is refused unless ``run.allow_data_change``; then the data
 position (samples and tokens consumed) carries on from the checkpoint's, so consumed tokens
 never go backwards and no sample index is reused by accident. A resume also keeps the
-optimizer state's layout (``parallel.distributed_optimizer``, and with experts whether their
-state is kept apart: :func:`experts_apart`), which megatron cannot convert.
+optimizer state's layout (``parallel.distributed_optimizer``), which megatron cannot convert;
+with experts, a checkpoint of an earlier version that held the experts' optimizer state with
+the rest is refused the same way (:func:`_check_experts_apart`).
 
 Datasets are identified by a fingerprint of their files, not by path, so moving a corpus to
 another file system keeps a run resumable.
@@ -22,13 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from model.config import MOE_FIELDS, ModelConfig
 from pretrain.config import Config
 from pretrain.data.record import fingerprint
 from pretrain.data.tokenizer import open_tokenizer
+from runtime import checkpoint_reader
 from runtime.errors import CheckpointError
+from runtime.weights import LOAD_ERRORS
 
 log = logging.getLogger("pretrain")
 
@@ -164,7 +168,9 @@ def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
     megatron's distributed optimizer shards its state into per-rank buffers, the replicated
     one keeps it per parameter, and neither loads the other's (megatron fails deep in the
     load, on a parameter-group key). ``settings`` is the checkpoint's recorded config (None
-    for checkpoints written before settings were recorded: megatron's own error then)."""
+    for checkpoints written before settings were recorded: megatron's own error then). With
+    experts, a checkpoint of the earlier layout of their state is refused too
+    (:func:`_check_experts_apart`)."""
     saved = (settings or {}).get("parallel", {}).get("distributed_optimizer")
     current = config.parallel.distributed_optimizer
     if saved is not None and saved != current:
@@ -174,50 +180,36 @@ def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
             f"{str(current).lower()}: the two lay the state out differently; resume with "
             f"--parallel.distributed_optimizer={str(saved).lower()}, or start a new run from "
             "its weights with --run.init_from")
-    _check_experts_apart(settings, config, checkpoint)
+    _check_experts_apart(config, checkpoint)
 
 
-def experts_apart(parallel: dict, model: dict) -> bool:
-    """Whether megatron keeps the routed experts' optimizer state apart from the rest's: with
-    experts that are expert-parallel (``ep`` > 1) or tensor-parallel otherwise than the rest
-    (``etp`` other than ``tp``), it marks them as expert parameters (megatron's
-    ``allreduce`` False) and builds them an optimizer of their own, chained after the
-    other's; otherwise they are ordinary parameters of the one optimizer. ``parallel`` and
-    ``model``: the config's sections as recorded (``Config.to_dict``)."""
-    if not model.get("num_experts"):
-        return False
-    tp = parallel.get("tp", 1)
-    etp = tp if parallel.get("etp") is None else parallel["etp"]
-    return parallel.get("ep", 1) > 1 or etp != tp
+EXPERTS_OPTIMIZER = "chained_1."
+"""The prefix of the routed experts' optimizer-state tensors in a checkpoint: megatron numbers
+the optimizers of a chain, and the experts' comes second, after the other parameters'."""
 
 
-def _check_experts_apart(settings: dict[str, dict] | None, config: Config,
-                         checkpoint: str) -> None:
-    """Refuse a resume across :func:`experts_apart`: megatron's checkpoint of a chained
-    optimizer (its states numbered, the experts' parameter groups marked expert-parallel) and
-    of a single one are laid out differently, and megatron loads neither as the other (it
-    fails deep in the load on a missing key). Layouts on the same side reshard."""
-    if settings is None or "parallel" not in settings:
+def _check_experts_apart(config: Config, checkpoint: str) -> None:
+    """Refuse a checkpoint with experts whose optimizer state holds them with the other
+    parameters. Checkpoints of this version keep the routed experts' state apart, in an
+    optimizer of their own (:data:`EXPERTS_OPTIMIZER`), at every layout
+    (:func:`model.moe.mark_experts`), so they resume at any ``parallel.ep`` and
+    ``parallel.etp``. Earlier versions left that to megatron, which keeps them apart only at
+    ``ep`` > 1 or ``etp`` other than ``tp``: a checkpoint those versions wrote at ``ep`` 1 and
+    ``etp`` = ``tp`` holds one optimizer's state where this version has two, and megatron
+    would fail deep in the load on a missing key. Its weights load as they are."""
+    if not config.model.num_experts:
         return
-    current = config.to_dict()
-    apart = experts_apart(current["parallel"], current["model"])
-    if experts_apart(settings["parallel"], settings.get("model", {})) == apart:
+    try:
+        keys = checkpoint_reader.tensors_metadata(Path(checkpoint))
+    except LOAD_ERRORS:
+        return  # a damaged index is named when the checkpoint loads
+    if any(key.startswith(EXPERTS_OPTIMIZER) for key in keys):
         return
-
-    def layout(ep, etp, tp) -> str:
-        return f"parallel.ep {ep}, parallel.etp {tp if etp is None else etp}, parallel.tp {tp}"
-
-    p = settings["parallel"]
-    saved = layout(p.get("ep", 1), p.get("etp"), p.get("tp", 1))
-    here = layout(config.parallel.ep, config.parallel.etp, config.parallel.tp)
-    where = {True: "in an optimizer of their own", False: "with the other parameters'"}
-    fix = {True: "parallel.ep > 1 or parallel.etp other than parallel.tp",
-           False: "parallel.ep 1 and parallel.etp = parallel.tp"}
     raise CheckpointError(
-        f"checkpoint '{checkpoint}' holds the routed experts' optimizer state "
-        f"{where[not apart]} ({saved}), and this start keeps it {where[apart]} ({here}): "
-        f"megatron lays the two out differently and converts neither; resume with "
-        f"{fix[not apart]}, or start a new run from its weights with --run.init_from")
+        f"checkpoint '{checkpoint}' holds the routed experts' optimizer state with the other "
+        "parameters' (written by an earlier version at parallel.ep 1 and parallel.etp = "
+        "parallel.tp), which this version keeps apart at every layout and cannot load; start "
+        f"a new run from its weights with --run.init_from={checkpoint}")
 
 
 DOCUMENT_FIELDS = ("document_attention", "reset_position_ids", "eod_mask_loss")

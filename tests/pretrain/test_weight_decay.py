@@ -60,6 +60,31 @@ def test_the_optimizer_decays_exactly_the_weight_matrices(single_rank, scheme):
         assert wd[id(param)] == (1.0 if decay.decayed(param) else 0.0), (scheme, name, role)
 
 
+def test_with_experts_the_routed_experts_have_an_optimizer_of_their_own(single_rank):
+    """In one process too (parallel.ep 1, etp = tp), the routed experts' parameters, and only
+    they, are expert parameters in the second optimizer of the chain
+    (``model.moe.mark_experts``: one optimizer-state layout at every ep), with the decay of
+    their role like every other parameter (the router and the shared expert stay with the
+    rest)."""
+    model = tiny_model("siamese", num_experts=4, moe_router_topk=2,
+                       moe_shared_expert_intermediate_size=32)
+    parallel = ParallelConfig(distributed_optimizer=False)
+    config = Config(model=model, parallel=parallel, optim=OptimConfig(weight_decay=0.1))
+    chunks = wrap_ddp(build_model(model, parallel, seed=1), parallel)
+    optimizer, _ = build_optimizer(config, chunks, torch.float32)
+    wd = groups_by_param(optimizer)
+    dense, experts = ({id(p) for group in inner.optimizer.param_groups for p in group["params"]}
+                      for inner in optimizer.chained_optimizers)
+    routed = 0
+    for name, param in chunks[0].module.named_parameters():
+        is_routed = ".mlp.experts." in name
+        routed += is_routed
+        assert getattr(param, "allreduce", True) is not is_routed, name
+        assert id(param) in (experts if is_routed else dense), name
+        assert wd[id(param)] == (1.0 if decay.decayed(param) else 0.0), name
+    assert routed and len(experts) == routed
+
+
 def test_a_named_override_is_what_the_optimizer_does(single_rank):
     """A scheme that decays a scalar (or spares a matrix) says why, and the optimizer follows
     the declaration."""

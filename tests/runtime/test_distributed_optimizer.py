@@ -1,7 +1,7 @@
 """DP=2 with megatron's DistributedOptimizer takes the same AdamW step as one process; so do
-models with experts, whose expert weights megatron keeps in an optimizer of their own (their
-gradients reduced over the expert data-parallel group, their share of the gradient norm summed
-over the expert-parallel ranks)."""
+models with experts, whose expert weights megatron keeps in an optimizer of their own at every
+layout (model.moe.mark_experts; their gradients reduced over the expert data-parallel group,
+their share of the gradient norm summed over the expert-parallel ranks)."""
 
 import json
 
@@ -55,14 +55,17 @@ EXPERT_CLIP = 0.05
 @pytest.mark.slow
 def test_sharded_optimizer_step_with_experts_matches_single_process(single_rank, tmp_path):
     """With the distributed optimizer and a clipped step, these take the one-process step:
-    DP=2 (experts are ordinary data-parallel parameters), EP=2 (half the experts on each
-    rank, the rest data-parallel: the gradient norm sums both halves of the experts) and
-    TP=2 with whole experts (parallel.etp 1: each expert on both ranks, its gradient averaged
-    and its optimizer state sharded over megatron's expert data-parallel group)."""
+    DP=2 (every expert on both ranks, its optimizer state sharded over megatron's expert
+    data-parallel group, here the data-parallel ranks), TP=2 with the experts split like the
+    rest (parallel.etp = tp), EP=2 (half the experts on each rank, the rest data-parallel:
+    the gradient norm sums both halves of the experts) and TP=2 with whole experts
+    (parallel.etp 1: each expert on both ranks, its gradient averaged and its optimizer state
+    sharded over the expert data-parallel group)."""
     torch.manual_seed(11)
     [model] = build_model(tiny_model("siamese", **EXPERTS), ParallelConfig())
     weights.save([model], str(tmp_path / "weights"))
-    runs = {"single": (1, {}), "dp2": (2, {}), "ep2": (2, {"ep": 2}),
+    runs = {"single": (1, {}), "dp2": (2, {}), "tp2": (2, {"tp": 2, "sequence_parallel": True}),
+            "ep2": (2, {"ep": 2}),
             "tp2-etp1": (2, {"tp": 2, "sequence_parallel": True, "etp": 1})}
     for name, (world, layout) in runs.items():
         folder = tmp_path / name
@@ -76,7 +79,7 @@ def test_sharded_optimizer_step_with_experts_matches_single_process(single_rank,
     before = {n: p.detach() for n, p in model.named_parameters()}
     expected = stepped_weights(tmp_path / "single", "siamese", EXPERTS)
     assert any(".experts." in name for name in expected)
-    for name in ("dp2", "ep2", "tp2-etp1"):
+    for name in ("dp2", "tp2", "ep2", "tp2-etp1"):
         assert norms[name] == pytest.approx(norms["single"], rel=1e-5), (name, norms)
         got = stepped_weights(tmp_path / name, "siamese", EXPERTS)
         worst = 0.0

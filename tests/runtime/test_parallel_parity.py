@@ -64,7 +64,8 @@ LOSS_BOUND = 1e-6
 GRAD_BOUND = 5e-5
 GRAD_BOUNDS = {"hc": 5e-4, "mhc": 5e-4}
 WORLD = {"tp2": 2, "tp2-sp": 2, "pp2": 2, "pp2-vp2": 2, "tp2-pp2": 4, "dp2": 2,
-         "ep2": 2, "ep2-tp2-sp": 4, "ep2-pp2": 4, "tp2-sp-etp1": 2}
+         "ep2": 2, "ep2-tp2-sp": 4, "ep2-pp2": 4, "tp2-sp-etp1": 2, "ep1-dp2": 2,
+         "ep1-tp2-sp": 2}
 
 # Mixture of experts: every registered scheme with megatron's MoE layer as F (4 experts, top-2),
 # its balancing loss and z-loss on at coefficients large enough that their share of each
@@ -86,9 +87,13 @@ EXPERT_LAYOUTS = {
     "ep2-tp2-sp": dict(ep=2, tp=2, sequence_parallel=True),
     "ep2-pp2": dict(ep=2, pp=2),
     # whole experts (parallel.etp 1) beside TP=2: each expert on both ranks, its gradient
-    # reduced over megatron's expert data-parallel group (with EP=1 and etp = tp, experts are
-    # ordinary parameters of the data-parallel group, so plain DP=2 would not test that group)
+    # reduced over megatron's expert data-parallel group
     "tp2-sp-etp1": dict(tp=2, sequence_parallel=True, etp=1),
+    # EP=1: the experts are expert parameters all the same (model.moe.mark_experts, so that
+    # checkpoints reshard across ep), reduced over the expert data-parallel group, which here
+    # holds the data-parallel ranks, and split over the expert TP group, the TP ranks
+    "ep1-dp2": dict(),
+    "ep1-tp2-sp": dict(tp=2, sequence_parallel=True),
 }
 # The layouts after the first two run one scheme of each variant (the first two, whose
 # dispatch differs most from one process's, run every scheme).
@@ -193,7 +198,8 @@ def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
 @pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
 def test_expert_layout_matches_unsharded(expert_reference, layout, tmp_path):
     """Every registered scheme with experts under expert parallelism (EP=2; EP=2 x TP=2 with
-    SP; EP=2 x PP=2) and TP=2 with whole experts reduced over the expert data-parallel group:
+    SP; EP=2 x PP=2), TP=2 with whole experts reduced over the expert data-parallel group, and
+    EP=1 under DP=2 and under TP=2 with SP (experts split like the rest by TP):
     the loss, every gradient (the routers' with their balancing and z losses' share) and the
     routers' losses as megatron reports them match one process. Each layout's ranks run its
     schemes in one spawn."""

@@ -1,8 +1,10 @@
 """Checkpoints of a mixture-of-experts run through the real CLI: an expert-parallel run follows
-the one-process losses from the same seed, its checkpoint resumes under another layout (megatron
-numbers experts globally in it, so EP=2's halves load as TP=2's whole experts) or is refused in
-one line where megatron cannot convert its optimizer state, a SIGKILL in the middle of a save
-costs nothing, and a background save holds what a foreground one holds.
+the one-process losses from the same seed, its checkpoint resumes under any other layout and
+carries on with the uninterrupted run's losses (megatron numbers experts globally in it, so
+EP=2's halves load as TP=2's whole experts or as one process's four, and the experts'
+optimizer state is laid out alike at every layout: ``model.moe.mark_experts``), a checkpoint of
+the earlier layout is refused in one line whose advice trains, a SIGKILL in the middle of a
+save costs nothing, and a background save holds what a foreground one holds.
 
 The model: the CLI tests' tiny one with 4 experts (top-2) and a shared expert in both blocks,
 the balancing and z losses on, sigmoid scores with DeepSeek-V3's expert bias."""
@@ -13,12 +15,14 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.pretrain.run.test_async_checkpoint import assert_same_checkpoints
-from tests.pretrain_fixtures import cli, in_session, train_args, train_losses
+from tests.pretrain_fixtures import REPO, cli, env, in_session, train_args, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -42,43 +46,102 @@ def single(data, tmp_path_factory):
     return run
 
 
+def resumed_from(source: Path, run: Path, step: int = EVERY) -> Path:
+    """A run folder ``run`` holding ``source``'s checkpoint of ``step`` alone."""
+    (run / "checkpoints").mkdir(parents=True)
+    name = f"step_{step:08d}"
+    shutil.copytree(source / "checkpoints" / name, run / "checkpoints" / name)
+    return run
+
+
+def assert_carries_on(run: Path, uninterrupted: dict[int, float], name: str) -> None:
+    """``run`` resumed at step 3 took the uninterrupted run's losses of steps 4-6."""
+    resumed = train_losses(run)
+    assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1)), (name, resumed)
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5), (name, step)
+
+
 def test_expert_parallel_run_matches_one_process_and_its_checkpoint_reshards(data, single,
                                                                               tmp_path):
     """EP=2 (two ranks, each holding two experts and half the batch) from the same seed takes
     the one-process losses. Its step-3 checkpoint (weights, the distributed optimizer's
     state) resumes under TP=2 with sequence parallelism and whole experts (parallel.etp 1:
-    the experts keep an optimizer of their own, now reduced over both ranks), repeating
-    EP=2's losses of steps 4-6. Resumed in one process, where megatron would keep the experts
-    with the other parameters in one optimizer, it is refused in one line before anything
-    starts (megatron cannot convert the optimizer state; the weights alone load anywhere)."""
+    each expert on both ranks, its gradient reduced over both) and in one process (EP=1:
+    every expert on the one rank), each repeating the uninterrupted losses of steps 4-6."""
     ep2 = tmp_path / "ep2"
     cli(*train_args(data, ep2, *COMMON, "--parallel.ep=2"), nproc=2)
     reference, losses = train_losses(single), train_losses(ep2)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in reference.items():
         assert losses[step] == pytest.approx(loss, rel=1e-5), ("ep2", step)
-    runs = {}
-    for name in ("tp2-etp1", "one-process"):
-        runs[name] = tmp_path / name
-        (runs[name] / "checkpoints").mkdir(parents=True)
-        shutil.copytree(ep2 / "checkpoints" / SAVED[0], runs[name] / "checkpoints" / SAVED[0])
-    cli(*train_args(data, runs["tp2-etp1"], *COMMON, "--parallel.tp=2",
-                    "--parallel.sequence_parallel=true", "--parallel.etp=1"), nproc=2)
-    resumed = train_losses(runs["tp2-etp1"])
-    assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1))
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(losses[step], rel=1e-5), ("tp2-etp1", step)
-    done = cli(*train_args(data, runs["one-process"], *COMMON), check=False)
+    tp2 = resumed_from(ep2, tmp_path / "tp2-etp1")
+    cli(*train_args(data, tp2, *COMMON, "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                    "--parallel.etp=1"), nproc=2)
+    assert_carries_on(tp2, losses, "tp2-etp1")
+    one = resumed_from(ep2, tmp_path / "one-process")
+    cli(*train_args(data, one, *COMMON))
+    assert_carries_on(one, reference, "ep2 -> ep1")
+    assert sorted(p.name for p in (one / "checkpoints").glob("step_*")) == SAVED
+
+
+def test_a_one_process_checkpoint_resumes_expert_parallel(data, single, tmp_path):
+    """The reverse: the one-process run's step-3 checkpoint resumes under EP=2, each rank
+    taking half of the experts and of their optimizer state, with the uninterrupted
+    losses."""
+    run = resumed_from(single, tmp_path / "ep2")
+    cli(*train_args(data, run, *COMMON, "--parallel.ep=2"), nproc=2)
+    assert_carries_on(run, train_losses(single), "ep1 -> ep2")
+
+
+# Eight experts over four ranks, micro-batches of 2 so that four data-parallel ranks share the
+# batch of 8 (every layout then balances the same micro-batches).
+EIGHT = [*COMMON, "--model.num_experts=8", "--data.micro_batch_size=2"]
+
+
+def test_an_expert_parallel_checkpoint_resumes_on_four_ranks(data, tmp_path):
+    """EP=2's step-3 checkpoint of eight experts resumes under EP=4 (four ranks of two
+    experts) with the one-process run's losses of steps 4-6."""
+    single, ep2, ep4 = tmp_path / "single", tmp_path / "ep2", tmp_path / "ep4"
+    cli(*train_args(data, single, *EIGHT))
+    cli(*train_args(data, ep2, *EIGHT, "--parallel.ep=2"), nproc=2)
+    reference = train_losses(single)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    for step, loss in train_losses(ep2).items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), ("ep2", step)
+    cli(*train_args(data, resumed_from(ep2, ep4), *EIGHT, "--parallel.ep=4"), nproc=4)
+    assert_carries_on(ep4, reference, "ep2 -> ep4")
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_refused_and_its_advice_trains(data, single,
+                                                                             tmp_path):
+    """A checkpoint written at EP=1 by versions that kept the experts' optimizer state with
+    the rest (tests/old_expert_layout.py) is refused in one line naming it before anything
+    starts (megatron would fail deep in the load); the advice, a new run from its weights
+    with --run.init_from, trains from them."""
+    old = tmp_path / "old"
+    done = subprocess.run([sys.executable, "-m", "tests.old_expert_layout",
+                           *train_args(data, old, *COMMON)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert train_losses(old) == pytest.approx(train_losses(single), rel=1e-5)
+    run = resumed_from(old, tmp_path / "resumed")
+    done = cli(*train_args(data, run, *COMMON), check=False)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
     assert done.stderr.strip().endswith(errors[0]) and "Traceback" not in done.stderr
-    for fragment in ("routed experts' optimizer state in an optimizer of their own "
-                     "(parallel.ep 2, parallel.etp 1, parallel.tp 1)",
-                     "this start keeps it with the other parameters' (parallel.ep 1",
-                     "resume with parallel.ep > 1 or parallel.etp other than parallel.tp",
-                     "--run.init_from"):
-        assert fragment in errors[0], (fragment, errors[0])
-    assert sorted(p.name for p in (runs["one-process"] / "checkpoints").iterdir()) == SAVED[:1]
+    checkpoint = run / "checkpoints" / SAVED[0]
+    assert f"checkpoint '{checkpoint}' holds the routed experts' optimizer state with the " \
+           "other parameters'" in errors[0], errors[0]
+    advice = f"--run.init_from={checkpoint}"
+    assert advice in errors[0], errors[0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == SAVED[:1]
+    new = tmp_path / "new"
+    cli(*train_args(data, new, *COMMON, advice))
+    losses = train_losses(new)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    # its first step starts from the old run's trained weights, not from the seed's
+    assert losses[1] < train_losses(single)[1] - 0.05, (losses, train_losses(single))
 
 
 def test_a_run_with_experts_resumed_as_dense_is_refused_by_name(data, single, tmp_path):

@@ -7,8 +7,6 @@ import json
 import pytest
 
 from pretrain.config import changed_settings, load_config
-from pretrain.run import identity
-from runtime.errors import CheckpointError
 from tests.pretrain_fixtures import cli, train_args
 from tests.wandb_reader import read_run, read_summary
 
@@ -29,35 +27,6 @@ def test_a_moved_key_still_loads_into_its_new_place(tmp_path):
     assert load_config(None, ["--run.max_nonfinite_steps=4"]).guard.max_skipped == 4
     both = load_config(str(old), ["--guard.max_skipped=2"])
     assert both.guard.max_skipped == 2  # the new key wins
-
-
-EXPERTS = ["--model.num_experts=4"]
-
-
-@pytest.mark.parametrize("saved, resumed, refused", [
-    (["--parallel.ep=2"], [], True),  # experts apart in the checkpoint, together here
-    ([], ["--parallel.ep=2"], True),  # and the reverse
-    (["--parallel.tp=2", "--parallel.sequence_parallel=true"],
-     ["--parallel.tp=2", "--parallel.sequence_parallel=true", "--parallel.etp=1"], True),
-    (["--parallel.ep=2"], ["--parallel.ep=4"], False),  # apart on both sides: reshards
-    (["--parallel.ep=2"], ["--parallel.tp=2", "--parallel.sequence_parallel=true",
-                           "--parallel.etp=1"], False),
-    ([], ["--parallel.tp=2", "--parallel.sequence_parallel=true"], False),  # etp = tp
-])
-def test_a_resume_keeps_the_experts_optimizer_apart_or_together(saved, resumed, refused):
-    """megatron gives the routed experts an optimizer of their own when they are
-    expert-parallel or split otherwise than the rest by TP, and cannot load one layout of
-    the optimizer state as the other: a resume across is refused before anything starts,
-    naming both layouts."""
-    settings = load_config(None, [*EXPERTS, *saved]).to_dict()
-    config = load_config(None, [*EXPERTS, *resumed])
-    if not refused:
-        identity.check_optimizer_layout(settings, config, "ckpt")
-        return
-    with pytest.raises(CheckpointError, match=r"^checkpoint 'ckpt' holds the routed experts' "
-                       r"optimizer state .* \(parallel\.ep \d, parallel\.etp \d, parallel\.tp "
-                       r"\d\), and this start keeps it .*--run\.init_from$"):
-        identity.check_optimizer_layout(settings, config, "ckpt")
 
 
 @pytest.mark.slow
