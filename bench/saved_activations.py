@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import weakref
 
 import torch
 
@@ -45,31 +46,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--norm-backend", default="triton")
+    p.add_argument("--experts", type=int, default=0,
+                   help="mixture of experts in every block: routed experts (model.num_experts)")
+    p.add_argument("--topk", type=int, default=2, help="with --experts: model.moe_router_topk")
+    p.add_argument("--expert-ffn", type=int, default=None,
+                   help="with --experts: each expert's width (model.moe_ffn_hidden_size)")
+    p.add_argument("--shared-ffn", type=int, default=None,
+                   help="with --experts: the shared expert's width "
+                        "(model.moe_shared_expert_intermediate_size)")
     return p.parse_args(argv)
 
 
 def saved_bytes(model, batch) -> int:
     """Bytes of the distinct storages autograd keeps for backward in one forward of ``model``
-    (parameters excluded)."""
+    (parameters excluded). A tensor saved by a part of the graph that forward then drops (a
+    branch no output depends on) is freed, and its address can be reused by a later one, so
+    storages are told apart only among the tensors still held when forward ends."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
+    saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                      labels=batch["labels"])
+    kept = {s.data_ptr(): s.nbytes() for s in (ref().untyped_storage() for ref in saved
+                                               if ref() is not None)}
     del loss
-    return sum(kept.values())
+    return sum(n for ptr, n in kept.items() if ptr not in params)
 
 
-def layer_bytes(args, scheme: str) -> dict:
+def experts(args) -> dict:
+    """The model's mixture-of-experts fields from ``--experts`` and its companions."""
+    if not args.experts:
+        return {}
+    return {"num_experts": args.experts, "moe_router_topk": args.topk,
+            "moe_ffn_hidden_size": args.expert_ffn,
+            "moe_shared_expert_intermediate_size": args.shared_ffn}
+
+
+def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
     """Bytes one layer of ``scheme`` keeps: per token, measured and estimated, and measured
-    once whatever the tokens."""
+    once whatever the tokens. ``overrides``: more model fields (a router's variants)."""
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
     from pretrain.report.dry_run import Fusions, estimated_layer_bytes
@@ -82,7 +102,8 @@ def layer_bytes(args, scheme: str) -> dict:
     for layers in (args.layers, args.layers + 1):
         config = ModelConfig(residual_scheme=scheme, num_layers=layers, hidden_size=args.hidden,
                              num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-                             vocab_size=args.vocab, seq_length=args.seq)
+                             vocab_size=args.vocab, seq_length=args.seq,
+                             **{**experts(args), **(overrides or {})})
         [model] = build_model(config, ParallelConfig(), dtype, args.norm_backend, seed=0)
         kept.append([saved_bytes(model, batch) for batch in batches])
     short, full = (more - fewer for fewer, more in zip(*kept, strict=True))

@@ -15,6 +15,7 @@ from model.schemes import Activation, FinalNorm, PositionEmbedding, Recompute
 from model.sizes import ParameterCount
 from model.sizes import parameter_count as model_parameter_count
 from pretrain.config import Config, to_toml, validate
+from pretrain.report.expert_activations import expert_bytes, mlp_values
 from pretrain.report.throughput import flops_per_token
 from pretrain.report.units import count, human
 from runtime import cpu_compat, parallel
@@ -46,18 +47,21 @@ class LayerBytes:
     """The bytes one layer keeps for backward per token, by how they divide: ``whole`` is held
     by every TP rank unless sequence parallel, ``split`` is split over TP, ``rope`` (RoPE's
     cos/sin) is per position on every rank, shared by a micro-batch's sequences unless each
-    token has its own position (``data.reset_position_ids``)."""
+    token has its own position (``data.reset_position_ids``); ``expert_tokens``, in an MoE
+    block, the token copies at the experts' input, gathered over the experts' tensor-parallel
+    ranks (``pretrain.report.expert_activations``)."""
 
-    whole: int
-    split: int
+    whole: float
+    split: float
     rope: int
+    expert_tokens: float = 0
 
 
-def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> LayerBytes:
-    """What one layer keeps, in an activation dtype of ``width`` bytes; the terms are explained
-    in :func:`activation_bytes`."""
+def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions, experts: bool) -> LayerBytes:
+    """What one layer keeps, in an activation dtype of ``width`` bytes, its MLP sublayer
+    megatron's MoE layer if ``experts``; the terms are explained in :func:`activation_bytes`."""
     traits = m.residual_scheme.traits
-    h, f, heads, groups = m.hidden_size, m.ffn_size, m.num_attention_heads, m.kv_heads
+    h, heads, groups = m.hidden_size, m.num_attention_heads, m.kv_heads
     head_dim = h // heads
     kv = groups * head_dim
     streams = traits.stream_values(m) * h * width + traits.token_bytes(m, width)
@@ -68,22 +72,32 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions) -> LayerBytes:
         attention += kv * width + 8 * (heads + 2 * groups)
     elif traits.qk_norm:
         attention += 8 * (heads + groups)
-    if m.activation is Activation.SWIGLU:
-        mlp = (2 * f + (f if fusions.activation else 3 * f)) * width
-    else:
-        mlp = 2 * f * width
     unfused_rope = m.position_embedding is PositionEmbedding.ROPE and not fusions.rope
     rope = 4 * head_dim * width if unfused_rope else 0
-    return LayerBytes(whole, attention + mlp, rope)
+    if not experts:
+        mlp = mlp_values(m, m.ffn_size, fusions.activation) * width
+        return LayerBytes(whole, attention + mlp, rope)
+    moe = expert_bytes(m, width, fusions.activation)
+    return LayerBytes(whole + moe.router, attention + moe.split, rope, moe.tokens)
+
+
+def first_stage_blocks(layers: int, p: ParallelConfig) -> list[int]:
+    """The global blocks of the first pipeline rank, the one holding the most micro-batches in
+    flight: with v virtual stages, chunk c of it holds the c x pp-th run of layers / (pp v)
+    blocks (megatron's interleaved layout)."""
+    chunks = p.vp or 1
+    per_chunk = layers // (p.pp * chunks)
+    return [c * p.pp * per_chunk + i for c in range(chunks) for i in range(per_chunk)]
 
 
 def estimated_layer_bytes(model: ModelConfig, width: int, fusions: Fusions,
                           sequences: int = 1) -> float:
     """Bytes per token one layer keeps for backward without TP or SP (see
     :func:`activation_bytes`), in an activation dtype of ``width`` bytes, with ``sequences``
-    sequences per micro-batch sharing their positions."""
-    kept = _layer_bytes(model, width, fusions)
-    return kept.whole + kept.split + kept.rope / sequences
+    sequences per micro-batch sharing their positions; in a model with experts, a layer of
+    an MoE block."""
+    kept = _layer_bytes(model, width, fusions, experts=model.num_experts > 0)
+    return kept.whole + kept.split + kept.rope / sequences + kept.expert_tokens
 
 
 def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) -> float:
@@ -134,6 +148,16 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
       left out; the CPU's exact path keeps one [b, 1, s, s] boolean mask per micro-batch
       more, s bytes per token, not counted here).
 
+    - mixture of experts: in an MoE block the MLP's terms give way to megatron's MoE layer
+      (``pretrain.report.expert_activations``): per assignment (k per token, or each
+      expert's capacity) the token's copy at its expert's input, h, gathered over the
+      experts' TP ranks (etp/tp of it per rank), and the expert's activations, 6f' for
+      SwiGLU experts of width f' (the routing weight's product is one copy more than a
+      dense MLP's; 3f' fused or GELU), split over TP; the shared expert's as a dense MLP's;
+      and per token the router's fp32 scores, indices and permutation, O(E + k) bytes for E
+      experts, outside the branches. Expert parallelism keeps the rows a rank's experts
+      receive, counted as the balanced share.
+
     That is pre, post, deepnorm, mixln and olmo2 7h + 3kv + 5f, hybridnorm 6h + 4kv + 5f,
     periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f, hc
     (4n + 9)h + 3kv + 5f dynamic and (2n + 9)h + 3kv + 5f static, mhc (2n + 9)h + 3kv + 5f
@@ -164,16 +188,22 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     tokens = config.seq_length * d.micro_batch_size
     width = 2 if config.run.params_dtype != "fp32" else 4
     sp = p.tp if p.sequence_parallel else 1
-    kept = _layer_bytes(m, width, fusions)
     sequences = 1 if d.reset_position_ids else d.micro_batch_size  # sharing RoPE's cos/sin
-    layer = kept.whole / sp + kept.split / p.tp + kept.rope / sequences
+
+    def layer(experts: bool) -> float:
+        kept = _layer_bytes(m, width, fusions, experts)
+        return (kept.whole / sp + kept.split / p.tp + kept.rope / sequences
+                + kept.expert_tokens * p.expert_tp / p.tp)
+
     layers_per_stage = m.num_layers // p.pp
+    first_stage = [m.moe_blocks[i] for i in first_stage_blocks(m.num_layers, p)]
     in_flight = min(p.pp, max(1, d.global_batch_size // (d.micro_batch_size * dp)))
     streams = m.residual_streams
     if p.recompute is Recompute.FULL:
-        per_microbatch = layers_per_stage * streams * h * width / sp + layer
+        per_microbatch = (layers_per_stage * streams * h * width / sp
+                          + max(layer(e) for e in first_stage))
     else:
-        per_microbatch = layers_per_stage * layer
+        per_microbatch = sum(layer(e) for e in first_stage)
     if d.document_attention:
         per_microbatch += 4
     # what closes the decoder keeps its input: a norm's h, the merge's n h, hyper-connections'

@@ -68,3 +68,66 @@ def test_second_stream_costs_one_value_per_token_and_layer(kept):
     extra_hybrid = kept["siamese_hybrid"]["measured"] - kept["hybridnorm"]["measured"]
     assert extra == h + stats("siamese") - stats("pre"), extra
     assert extra_hybrid == 2 * h + stats("siamese_hybrid") - stats("hybridnorm"), extra_hybrid
+
+
+# Mixture of experts: the MLP sublayer is megatron's MoE layer (router, permutation, experts,
+# shared expert), estimated by pretrain.report.expert_activations. Four experts of 128, top-2,
+# a shared expert of 128 and the z-loss: every term of the sublayer is present in every scheme.
+MOE_ARGS = saved_activations.parse_args([*[f"--{k}={v}" for k, v in vars(ARGS).items()
+                                           if k in ("hidden", "heads", "ffn", "seq", "vocab")],
+                                         "--experts=4", "--topk=2", "--expert-ffn=128",
+                                         "--shared-ffn=128"])
+MOE_EVERY_TERM = {"moe_z_loss_coeff": 1e-3}
+# The router's variants, one scheme: each changes which tensors the router and the
+# permutation keep (pretrain.report.expert_activations._router_bytes).
+ROUTERS = {
+    "pre-softmax top-1": {"moe_router_topk": 1, "moe_router_pre_softmax": True},
+    "sigmoid, expert bias, top-3 of 8": {
+        "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+        "num_experts": 8, "moe_router_topk": 3},
+    "sigmoid top-1, no balancing": {
+        "moe_router_score_function": "sigmoid", "moe_router_topk": 1,
+        "moe_router_load_balancing_type": "none"},
+    "sequence aux loss": {"moe_router_load_balancing_type": "seq_aux_loss"},
+    "capacity 1.5, padded": {"moe_expert_capacity_factor": 1.5,
+                             "moe_pad_expert_input_to_capacity": True},
+    "capacity 4, no drops": {"moe_expert_capacity_factor": 4.0},
+    "GELU experts": {"activation": "gelu"},
+}
+
+
+@pytest.fixture(scope="module")
+def kept_moe(single_rank):
+    """Bytes per token and layer of an MoE block, measured and estimated, for each scheme."""
+    return {s: saved_activations.layer_bytes(MOE_ARGS, s, MOE_EVERY_TERM) for s in SCHEMES}
+
+
+def _assert_estimated(result: dict, what: str) -> None:
+    gap = result["measured"] - result["estimated"]
+    assert abs(gap) <= ROUNDING, (
+        f"{what}: a layer keeps {result['measured']:.0f} bytes per token for backward, the "
+        f"dry run estimates {result['estimated']:.0f} ({gap:+.0f}): count the MoE layer's "
+        f"tensors in pretrain/report/expert_activations.py")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_estimate_accounts_for_every_kept_activation_with_experts(kept_moe, scheme):
+    """Every registered scheme with experts: the same exact check as the dense one, the MoE
+    layer's router, permutation, experts and shared expert in place of one MLP."""
+    _assert_estimated(kept_moe[scheme], f"{scheme} with experts")
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_estimate_follows_the_router(single_rank, router):
+    """Each router variant (score function, pre-softmax, balancing loss, capacity with and
+    without padding, k and E, the experts' activation) keeps what the estimate counts."""
+    result = saved_activations.layer_bytes(MOE_ARGS, "siamese",
+                                           {**MOE_EVERY_TERM, **ROUTERS[router]})
+    _assert_estimated(result, f"siamese with experts, {router}")
+
+
+def test_experts_replace_the_mlp_around_the_same_block(kept, kept_moe):
+    """The block around the MLP sublayer keeps the same with experts: the difference between
+    a scheme's MoE and dense layer is the same for every scheme (what pre's is)."""
+    change = {s: kept_moe[s]["measured"] - kept[s]["measured"] for s in SCHEMES}
+    assert len(set(change.values())) == 1, change

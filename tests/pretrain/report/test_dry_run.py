@@ -29,6 +29,11 @@ PRESETS = sorted(filter(_is_preset, (REPO / "configs").rglob("*.toml")))
 PAPER = [p for p in PRESETS if p.is_relative_to(REPO / "configs" / "paper")]
 GPUS = (8, 32, 64)  # the paper presets' layouts are for these GPU counts
 GPU_MEMORY_GIB = 80 * 1e9 / 2**30
+# The MoE presets whose activations (four streams) put them over 75% of an 80 GB GPU on 8 GPUs,
+# where each rank holds all of its experts' optimizer state; docs/moe.md advises full
+# recomputation there, which test_moe_presets_dry_run_on_8_32_and_64_gpus runs.
+RECOMPUTE_ON_8 = {str(REPO / "configs" / "paper" / "moe" / f"{scheme}-lr1e-3.toml")
+                  for scheme in ("hc", "mhc")}
 
 
 def _check_report(out: str) -> float:
@@ -98,43 +103,56 @@ def test_every_paper_preset_dry_runs_and_fits_8_32_and_64_gpus(tmp_path):
         assert f"layout: world {GPUS[0]} = tp 1 x pp 1 x dp {GPUS[0]}" in out, preset
         if "/1.3b/" in preset:  # 8.0672e9 by Megatron-LM's own expression (test_throughput.py)
             assert "Megatron-LM's formula): 8.07 GFLOP" in out, preset
-        assert _check_report(out) < 0.75 * GPU_MEMORY_GIB, (preset, out)  # room for the rest
+        memory = _check_report(out)
+        if preset in RECOMPUTE_ON_8:  # docs/moe.md: these run with full recompute on 8 GPUs
+            assert memory >= 0.75 * GPU_MEMORY_GIB, (f"{preset} fits 8 GPUs without "
+                                                      f"recompute now: update docs/moe.md", out)
+        else:
+            assert memory < 0.75 * GPU_MEMORY_GIB, (preset, out)  # room for the rest
     assert not run_dir.exists(), "a dry run must not create the run folder"
 
 
 # The MoE presets' memory falls with the world size (the experts' optimizer state is sharded
 # over world / 8 expert data-parallel ranks), so the test above, at 8 GPUs, holds the largest;
-# this one prints the other two for the highest (hc) and the paper's scheme.
+# this one prints the other two for the highest (hc) and the paper's scheme, and runs the
+# advice for the presets over the bound on 8 GPUs (RECOMPUTE_ON_8) exactly as docs/moe.md
+# gives it.
 _MOE_DRY_RUNS = """
 import contextlib, io, json, os, sys
 from pretrain.__main__ import main
 out, user_env = {}, dict(os.environ)
 for entry in sys.argv[2:]:
-    world, preset = entry.split(":", 1)
+    world, preset, *overrides = entry.split(" ")
     os.environ.clear()
     os.environ.update({**user_env, "WORLD_SIZE": world})
     report, errors = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(report), contextlib.redirect_stderr(errors):
-        status = main(["train", "--config", preset, "--dry-run", f"--run.dir={sys.argv[1]}"])
+        status = main(["train", "--config", preset, "--dry-run", f"--run.dir={sys.argv[1]}",
+                       *overrides])
     out[entry] = [status, report.getvalue(), errors.getvalue()]
 print(json.dumps(out))
 """
+RECOMPUTE_ADVICE = "--parallel.recompute=full"  # docs/moe.md, "Layouts on 8, 32 and 64 GPUs"
 
 
-def test_moe_presets_dry_run_on_32_and_64_gpus(tmp_path):
-    runs = [f"{world}:configs/paper/moe/{scheme}-lr1e-3.toml"
+def test_moe_presets_dry_run_on_8_32_and_64_gpus(tmp_path):
+    runs = [f"{world} configs/paper/moe/{scheme}-lr1e-3.toml"
             for scheme in ("siamese", "hc") for world in (32, 64)]
+    runs += [f"8 {Path(preset).relative_to(REPO)} {RECOMPUTE_ADVICE}"
+             for preset in sorted(RECOMPUTE_ON_8)]
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", _MOE_DRY_RUNS,
                            str(tmp_path / "run"), *runs],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     reports = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(reports) == sorted(runs)
     for entry, (status, out, err) in reports.items():
-        world = int(entry.split(":")[0])
+        world = int(entry.split(" ")[0])
+        recompute = "full" if RECOMPUTE_ADVICE in entry else "none"
         _check_verdict(status, err)
-        assert f"layout: world {world} = tp 1 x pp 1 x dp {world}, recompute none; experts: " \
-            f"ep 8 x etp 1 x pp 1 x expert dp {world // 8}" in out, out
-        assert "active per token: 1,97" in out and "13.60 GFLOP" in out, out
+        assert f"layout: world {world} = tp 1 x pp 1 x dp {world}, recompute {recompute}; " \
+            f"experts: ep 8 x etp 1 x pp 1 x expert dp {world // 8}" in out, out
+        assert re.search(r"active per token: 1,9[78]\d,", out) and "13.60 GFLOP" in out, out
         assert _check_report(out) < 0.75 * GPU_MEMORY_GIB, (entry, out)
 
 
