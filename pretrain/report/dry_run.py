@@ -11,7 +11,7 @@ from kernels.backend import NormBackend
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from model.megatron_config import transformer_config
-from model.schemes import Activation, FinalNorm, PositionEmbedding, Recompute
+from model.schemes import FinalNorm, PositionEmbedding, Recompute
 from model.sizes import ParameterCount
 from model.sizes import parameter_count as model_parameter_count
 from pretrain.config import Config, to_toml, validate
