@@ -131,7 +131,10 @@ def main(argv=None) -> None:
     h = args.hidden
     print(versions_line())
     print(f"shape: {args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}, "
-          f"batch {args.batch}, {args.dtype}, norms {args.norm_backend}; bytes per token and "
+          f"batch {args.batch}, {args.dtype}, norms {args.norm_backend}"
+          + (f", MoE in every block: {args.experts} experts of {args.expert_ffn or args.ffn}, "
+             f"top-{args.topk}, shared expert {args.shared_ffn or 'none'}" if args.experts else "")
+          + "; bytes per token and "
           f"layer kept for backward (h = hidden size in values of the dtype); the last column "
           f"is what a layer keeps once, whatever the tokens\n")
     width = DTYPES[args.dtype].itemsize
