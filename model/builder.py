@@ -45,6 +45,9 @@ def build_model(
     backend = resolve(norm_backend)
     config = transformer_config(model, parallel, params_dtype, positions_per_token)
     config.finalize_model_grads_func = finalize_grads
+    # On the meta device (shapes only: the dry run's count) there is nothing to draw, and
+    # megatron's own draws, which model.init replaces anyway, are most of a build's time.
+    config.perform_initialization = torch.empty(0).device.type != "meta"
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for stage in range(parallel.model_chunks):
