@@ -14,13 +14,13 @@ It lives in the lab, not with ``pretrain.report.scheme_lists``: counting a prese
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 from lab.lr_sweep import load_preset
 from model.schemes import ResidualScheme
+from runtime.markdown import check_or_rewrite
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMAND = "python -m lab.sweep_counts --write"
@@ -71,17 +71,9 @@ def stale(write: bool = False, root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="rewrite every stale count")
-    args = p.parse_args(argv)
-    found = stale(args.write)
-    if found and not args.write:
-        print(f"sweep counts out of date with the presets and the registry: {'; '.join(found)}; "
-              f"rewrite them: {COMMAND}")
-        return 1
-    if found:
-        print(f"rewrote {'; '.join(found)}")
-    return 0
+    return check_or_rewrite(argv, __doc__.splitlines()[0], stale,
+                            "sweep counts out of date with the presets and the registry",
+                            COMMAND, joiner="; ")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ file cannot drift apart)."""
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -45,4 +47,22 @@ def refresh_docs(docs: list[Path], tag: str, generated: dict[str, str], source: 
     if stale and not write:
         print(f"{tag}: out of date with {source}: {', '.join(stale)}")
         return 1
+    return 0
+
+
+def check_or_rewrite(argv: list[str] | None, description: str,
+                     stale: Callable[[bool], list[str]], subject: str, command: str,
+                     joiner: str = ", ") -> int:
+    """The command line of a generator of text the docs carry inline: ``stale(write)`` names
+    what is out of date (rewriting it if ``write``). Without ``--write``: 0 if nothing is, else
+    1 with one line naming it and ``command``, the command that rewrites it."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--write", action="store_true", help="rewrite everything out of date")
+    args = p.parse_args(argv)
+    found = stale(args.write)
+    if found and not args.write:
+        print(f"{subject}: {joiner.join(found)}; rewrite them: {command}")
+        return 1
+    if found:
+        print(f"rewrote {joiner.join(found)}")
     return 0

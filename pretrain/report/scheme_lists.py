@@ -16,7 +16,6 @@ the check): a new scheme, or a changed trait, is one command away from every lis
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import re
 import textwrap
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from model.schemes import EXPERT_FP32, ResidualScheme
+from runtime.markdown import check_or_rewrite
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = "python -m pretrain.report.scheme_lists --write"
@@ -189,17 +189,8 @@ def stale(write: bool = False, root: Path = ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="rewrite every stale list")
-    args = p.parse_args(argv)
-    found = stale(args.write)
-    if found and not args.write:
-        print(f"scheme lists out of date with model/schemes.py: {', '.join(found)}; "
-              f"rewrite them: {COMMAND}")
-        return 1
-    if found:
-        print(f"rewrote {', '.join(found)}")
-    return 0
+    return check_or_rewrite(argv, __doc__.splitlines()[0], stale,
+                            "scheme lists out of date with model/schemes.py", COMMAND)
 
 
 if __name__ == "__main__":
