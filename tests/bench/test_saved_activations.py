@@ -80,19 +80,18 @@ MOE_ARGS = saved_activations.parse_args([*[f"--{k}={v}" for k, v in vars(ARGS).i
 MOE_EVERY_TERM = {"moe_z_loss_coeff": 1e-3}
 # The router's variants, one scheme: each changes which tensors the router and the
 # permutation keep (pretrain.report.expert_activations._router_bytes).
-ROUTERS = {
-    "pre-softmax top-1": {"moe_router_topk": 1, "moe_router_pre_softmax": True},
-    "sigmoid, expert bias, top-3 of 8": {
+ROUTERS = {  # each variant's terms add up, so one variant can hold several
+    "pre-softmax top-1, GELU experts": {"moe_router_topk": 1, "moe_router_pre_softmax": True,
+                                        "activation": "gelu"},
+    "sigmoid, expert bias, top-3 of 8, sequence aux loss": {
         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-        "num_experts": 8, "moe_router_topk": 3},
-    "sigmoid top-1, no balancing": {
+        "num_experts": 8, "moe_router_topk": 3,
+        "moe_router_load_balancing_type": "seq_aux_loss"},
+    "sigmoid top-1, no balancing, capacity 1.5 padded": {
         "moe_router_score_function": "sigmoid", "moe_router_topk": 1,
-        "moe_router_load_balancing_type": "none"},
-    "sequence aux loss": {"moe_router_load_balancing_type": "seq_aux_loss"},
-    "capacity 1.5, padded": {"moe_expert_capacity_factor": 1.5,
-                             "moe_pad_expert_input_to_capacity": True},
+        "moe_router_load_balancing_type": "none", "moe_expert_capacity_factor": 1.5,
+        "moe_pad_expert_input_to_capacity": True},
     "capacity 4, no drops": {"moe_expert_capacity_factor": 4.0},
-    "GELU experts": {"activation": "gelu"},
 }
 
 
