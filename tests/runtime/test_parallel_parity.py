@@ -86,6 +86,9 @@ EXPERT_LAYOUTS = {
     # over its two TP ranks in pieces of different lengths
     "ep2-tp2-sp": dict(ep=2, tp=2, sequence_parallel=True),
     "ep2-pp2": dict(ep=2, pp=2),
+    # interleaved pipeline: each rank runs two chunks of blocks, an MoE block in a chunk of
+    # its own in the every-other-block variant
+    "pp2-vp2": dict(pp=2, vp=2),
     # whole experts (parallel.etp 1) beside TP=2: each expert on both ranks, its gradient
     # reduced over megatron's expert data-parallel group
     "tp2-sp-etp1": dict(tp=2, sequence_parallel=True, etp=1),
@@ -198,7 +201,7 @@ def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
 @pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
 def test_expert_layout_matches_unsharded(expert_reference, layout, tmp_path):
     """Every registered scheme with experts under expert parallelism (EP=2; EP=2 x TP=2 with
-    SP; EP=2 x PP=2), TP=2 with whole experts reduced over the expert data-parallel group, and
+    SP; EP=2 x PP=2), the interleaved pipeline (PP=2 x VP=2), TP=2 with whole experts reduced over the expert data-parallel group, and
     EP=1 under DP=2 and under TP=2 with SP (experts split like the rest by TP):
     the loss, every gradient (the routers' with their balancing and z losses' share) and the
     routers' losses as megatron reports them match one process. Each layout's ranks run its
