@@ -201,10 +201,11 @@ def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
 @pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
 def test_expert_layout_matches_unsharded(expert_reference, layout, tmp_path):
     """Every registered scheme with experts under expert parallelism (EP=2; EP=2 x TP=2 with
-    SP; EP=2 x PP=2), the interleaved pipeline (PP=2 x VP=2), TP=2 with whole experts reduced over the expert data-parallel group, and
-    EP=1 under DP=2 and under TP=2 with SP (experts split like the rest by TP):
-    the loss, every gradient (the routers' with their balancing and z losses' share) and the
-    routers' losses as megatron reports them match one process. Each layout's ranks run its
+    SP; EP=2 x PP=2), the interleaved pipeline (PP=2 x VP=2), TP=2 with whole experts
+    reduced over the expert data-parallel group, and EP=1 under DP=2 and under TP=2 with SP
+    (experts split like the rest by TP): the loss, every gradient (the routers' with their
+    balancing and z losses' share) and the routers' losses as megatron reports them match
+    one process. Each layout's ranks run its
     schemes in one spawn."""
     schemes = list(EXPERT_CASES) if layout in ("ep2", "ep2-tp2-sp") else EXPERT_SUBSET
     check_layout(expert_reference, layout, schemes, tmp_path, overrides=EXPERT_CASES)
