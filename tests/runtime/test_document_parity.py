@@ -1,4 +1,5 @@
-"""Document attention under TP + SP, PP and recomputation matches one process.
+"""Document attention under TP + SP, PP, expert parallelism and recomputation matches one
+process.
 
 The unsharded model (positions per token, torch norms) computes the loss and gradients of packed
 micro-batches with their document ids (tests.helpers.document_batches); each layout on gloo ranks
@@ -23,17 +24,30 @@ from tests.helpers import MBS, SEQ, document_batches, spawn, tiny_model
 from tests.parity_worker import grads_into_params
 
 SCHEMES = ["siamese", "siamese_hybrid"]
+# siamese with megatron's MoE layer as F (the ids reach attention; the router and the
+# all-to-all see the packed tokens as any others)
+EXPERTS = "siamese-experts"
+MODELS = {"siamese": {}, "siamese_hybrid": {},
+          EXPERTS: dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.1,
+                        moe_z_loss_coeff=0.01)}
 MICROBATCHES = 4
-LAYOUTS = {"tp2-sp": (2, dict(tp=2, sequence_parallel=True)), "pp2": (2, dict(pp=2)),
-           "tp2-pp2": (4, dict(tp=2, pp=2))}
+# layout: (world size, parallel fields, the models it runs)
+LAYOUTS = {"tp2-sp": (2, dict(tp=2, sequence_parallel=True), SCHEMES),
+           "pp2": (2, dict(pp=2), SCHEMES), "tp2-pp2": (4, dict(tp=2, pp=2), SCHEMES),
+           "ep2": (2, dict(ep=2), [EXPERTS])}
 # As test_parallel_parity: only the order of sums differs between layouts.
 LOSS_BOUND = 1e-6
 GRAD_BOUND = 5e-5
 
 
-def build(scheme: str, par: ParallelConfig, **model):
+def model_of(name: str):
+    """The tiny model of a MODELS entry."""
+    return tiny_model(name.removesuffix("-experts"), **MODELS[name])
+
+
+def build(name: str, par: ParallelConfig):
     torch.manual_seed(7)
-    return wrap_ddp(build_model(tiny_model(scheme, **model), par, norm_backend="torch",
+    return wrap_ddp(build_model(model_of(name), par, norm_backend="torch",
                                 positions_per_token=True), par)
 
 
@@ -48,7 +62,7 @@ def reference(single_rank, tmp_path_factory):
     root = tmp_path_factory.mktemp("documents")
     par = ParallelConfig(distributed_optimizer=False)
     out = {}
-    for scheme in SCHEMES:
+    for scheme in MODELS:
         chunks = build(scheme, par)
         with torch.no_grad():
             for name, p in chunks[0].module.named_parameters():
@@ -94,13 +108,13 @@ def assert_close(loss, grads, ref_loss, ref_grads, what: str) -> None:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_document_attention_layout_matches_one_process(reference, layout, tmp_path):
     root, expected = reference
-    for scheme in SCHEMES:
+    world, fields, names = LAYOUTS[layout]
+    for scheme in names:
         (tmp_path / scheme).mkdir()
         os.symlink(root / scheme / "weights", tmp_path / scheme / "weights")
-    world, fields = LAYOUTS[layout]
-    spawn(world, run_documents, fields, SCHEMES, str(tmp_path))
-    for scheme in SCHEMES:
-        [model] = build_model(tiny_model(scheme), ParallelConfig(distributed_optimizer=False),
+    spawn(world, run_documents, fields, names, str(tmp_path))
+    for scheme in names:
+        [model] = build_model(model_of(scheme), ParallelConfig(distributed_optimizer=False),
                               norm_backend="torch")
         weights.load([model], str(tmp_path / scheme / "grads"))
         grads = {n: p.detach() for n, p in model.named_parameters()}
