@@ -414,6 +414,26 @@ def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _require_experts_on_the_first_stage(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """With parallel.pp > 1 the first pipeline stage (the ranks of pipeline rank 0, global
+    rank 0 among them) must hold an MoE block. megatron writes an optimizer's settings (its
+    parameter groups) into a checkpoint from global rank 0 alone; on a stage without experts
+    the experts' optimizer holds no parameter and is left out of checkpoints
+    (``pretrain.optim.sharded_optimizer_state``), so the experts' settings would be missing
+    and no resume could load them. Other stages may be all dense."""
+    if parallel.pp == 1:
+        return
+    stages = parallel.pp * parallel.model_chunks
+    per_chunk = model.num_layers // stages
+    blocks = [block for chunk in range(0, stages, parallel.pp)
+              for block in range(chunk * per_chunk, (chunk + 1) * per_chunk)]
+    require(any(model.moe_blocks[block] for block in blocks),
+            f"model.moe_layer_freq ({model.moe_layer_freq}) leaves the first pipeline stage "
+            f"of parallel.pp {parallel.pp} (blocks {blocks}, 0-based) without an MoE block; "
+            "with experts it must hold one (its first rank writes the experts' optimizer "
+            "settings into checkpoints): put an MoE block among those, or use parallel.pp 1")
+
+
 def _validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
     """The mixture-of-experts rules: a dense model leaves every MoE setting at its default;
     an MoE model's routing, widths and expert layout fit each other."""
@@ -447,6 +467,7 @@ def _validate_experts(model: ModelConfig, parallel: ParallelConfig) -> None:
     else:
         require(_positive_int(freq), f"model.moe_layer_freq ({freq!r}) must be a positive "
                 "integer (every k-th block is MoE) or a list of 0/1 per block")
+    _require_experts_on_the_first_stage(model, parallel)
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(model, name)
         require(value is None or _positive_int(value),

@@ -11,6 +11,7 @@ fallback step at 1.2B parameters and 29 ms with the fused AdamW alone).
 from __future__ import annotations
 
 import torch
+from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -217,6 +218,40 @@ def prime_state(optimizer) -> None:
         _place_steps(torch_optimizer)
 
 
+def _holds_parameters(inner) -> bool:
+    return any(group["params"] for group in inner.optimizer.param_groups)
+
+
+def _with_empty_links(optimizer) -> list | None:
+    """The chain of ``optimizer`` when one of its optimizers holds no parameter, else None.
+
+    With experts, megatron chains an experts' optimizer on every pipeline stage, also on one
+    whose blocks are all dense (``model.moe_layer_freq``), where it holds none; on the
+    torch-Adam path (no apex or TE) its state cannot be taken (one ``step`` asserted among
+    no parameters). It has no state to keep, so a checkpoint leaves it out: the others keep
+    their ``chained_N.`` keys, the same at every pipeline layout."""
+    chain = getattr(optimizer, "chained_optimizers", None)
+    if chain is None or len(chain) < 2 or all(_holds_parameters(inner) for inner in chain):
+        return None
+    return chain
+
+
+def sharded_optimizer_state(optimizer, model_state: dict, loading: bool, metadata: dict) -> dict:
+    """megatron's sharded optimizer state (to save, or the template a load fills), keyed as
+    megatron keys a chain's (``chained_N.``: ``metadata`` is the fully reshardable format),
+    without the optimizers that hold no parameter (:func:`_with_empty_links`)."""
+    chain = _with_empty_links(optimizer)
+    if chain is None:
+        return optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=metadata)
+    optimizer._synchronize_steps()
+    state = {}
+    for index, inner in enumerate(chain):
+        if _holds_parameters(inner):
+            state[index] = inner.sharded_state_dict(model_state, loading, metadata=metadata)
+            add_prefix_for_sharding(state[index], f"chained_{index}.")
+    return state
+
+
 def load_state(optimizer, state_dict: dict) -> None:
     """Load an optimizer state saved in the fully reshardable format.
 
@@ -247,7 +282,14 @@ def load_state(optimizer, state_dict: dict) -> None:
     chosen = [(opt, any(group.get("fused") for group in opt.param_groups))
               for opt in _torch_adams(optimizer)]
     try:
-        optimizer.load_state_dict(state_dict)
+        chain = _with_empty_links(optimizer)
+        if chain is None:
+            optimizer.load_state_dict(state_dict)
+        else:  # as megatron's chain loads, those without parameters left out
+            for index, inner in enumerate(chain):
+                if _holds_parameters(inner):
+                    inner.load_state_dict(state_dict[index])
+            optimizer._synchronize_steps()
     finally:
         for inner in patched:
             del inner.load_parameter_state_from_fully_reshardable

@@ -45,6 +45,7 @@ from pretrain.optim import (
     load_state,
     prime_state,
     schedule_state,
+    sharded_optimizer_state,
 )
 from pretrain.run import identity
 from pretrain.run.failure import save_failure
@@ -119,8 +120,7 @@ def set_rng_state(state: dict) -> None:
 
 def _sharded_state(chunks, optimizer, scheduler, step: int, loading: bool) -> dict:
     state = weights.sharded_state(chunks)
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=loading,
-                                                      metadata=OPTIMIZER_FORMAT)
+    state["optimizer"] = sharded_optimizer_state(optimizer, state, loading, OPTIMIZER_FORMAT)
     state["scheduler"] = schedule_state(scheduler)
     state["step"] = step
     return state

@@ -66,6 +66,12 @@ CASES = [
      ["model.moe_layer_freq ([1, 0, 1])", "per block (4 blocks)"]),
     (dict(num_experts=4, moe_layer_freq=[0, 0, 0, 0]), {},
      ["model.moe_layer_freq ([0, 0, 0, 0]) makes no block MoE"]),
+    (dict(num_experts=4, moe_layer_freq=[0, 0, 1, 1]), dict(pp=2),
+     ["model.moe_layer_freq ([0, 0, 1, 1]) leaves the first pipeline stage of parallel.pp 2 "
+      "(blocks [0, 1], 0-based) without an MoE block", "or use parallel.pp 1"]),
+    (dict(num_experts=4, moe_layer_freq=[0, 1, 0, 1]), dict(pp=2, vp=2),
+     ["model.moe_layer_freq ([0, 1, 0, 1]) leaves the first pipeline stage of parallel.pp 2 "
+      "(blocks [0, 2], 0-based)"]),
     (dict(num_experts=4, moe_router_topk=1), {},
      ["model.moe_router_topk (1)", "needs model.moe_router_pre_softmax true"]),
     (dict(num_experts=4, moe_router_pre_softmax=True, moe_router_score_function="sigmoid"), {},

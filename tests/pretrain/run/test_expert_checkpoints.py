@@ -1,10 +1,11 @@
 """Checkpoints of a mixture-of-experts run through the real CLI: an expert-parallel run follows
-the one-process losses from the same seed, its checkpoint resumes under any other layout and
-carries on with the uninterrupted run's losses (megatron numbers experts globally in it, so
-EP=2's halves load as TP=2's whole experts or as one process's four, and the experts'
-optimizer state is laid out alike at every layout: ``model.moe.mark_experts``), a checkpoint of
-the earlier layout is refused in one line whose advice trains, a SIGKILL in the middle of a
-save costs nothing, and a background save holds what a foreground one holds.
+the one-process losses from the same seed, its checkpoint resumes under any other layout
+(pipeline stages without experts included) and carries on with the uninterrupted run's
+losses (megatron numbers experts globally in it, so EP=2's halves load as TP=2's whole experts
+or as one process's four, and the experts' optimizer state is laid out alike at every layout:
+``model.moe.mark_experts``), a checkpoint of the earlier layout is refused in one line whose
+advice trains, a SIGKILL in the middle of a save costs nothing, and a background save holds
+what a foreground one holds.
 
 The model: the CLI tests' tiny one with 4 experts (top-2) and a shared expert in both blocks,
 the balancing and z losses on, sigmoid scores with DeepSeek-V3's expert bias."""
@@ -181,3 +182,34 @@ def test_a_background_save_holds_the_foreground_checkpoint(data, single, tmp_pat
     cli(*train_args(data, run, *COMMON, "--run.async_save=true"))
     assert train_losses(run) == train_losses(single)
     assert_same_checkpoints(single, run, SAVED)
+
+
+# Four blocks, experts in the first two only: under parallel.pp 2 megatron still chains an
+# experts' optimizer on the second stage, holding no parameter.
+FIRST_HALF = [*COMMON, "--model.num_layers=4", "--model.moe_layer_freq=[1,1,0,0]"]
+
+
+def test_a_pipeline_stage_without_experts_saves_and_reshards(data, tmp_path):
+    """PP=2 with experts in the first stage only takes the one-process losses and saves (the
+    empty experts' optimizer left out: ``pretrain.optim.sharded_optimizer_state``; megatron's
+    own save fails on that rank while the other waits in it for good); its step-3 checkpoint
+    resumes at PP=2 and in one process (the dense optimizer's keys are ``chained_0.`` on
+    both stages, as in one process), and one process's resumes at PP=2, each with the
+    uninterrupted one-process losses of steps 4-6. (A first stage without experts is refused
+    at load time: tests/model/test_config_errors.py.)"""
+    single, pp2 = tmp_path / "single", tmp_path / "pp2"
+    cli(*train_args(data, single, *FIRST_HALF))
+    cli(*train_args(data, pp2, *FIRST_HALF, "--parallel.pp=2"), nproc=2)
+    reference = train_losses(single)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    for step, loss in train_losses(pp2).items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), ("pp2", step)
+    again = resumed_from(pp2, tmp_path / "pp2-again")
+    cli(*train_args(data, again, *FIRST_HALF, "--parallel.pp=2"), nproc=2)
+    assert_carries_on(again, reference, "pp2 -> pp2")
+    one = resumed_from(pp2, tmp_path / "pp1")
+    cli(*train_args(data, one, *FIRST_HALF))
+    assert_carries_on(one, reference, "pp2 -> pp1")
+    split = resumed_from(single, tmp_path / "pp1-pp2")
+    cli(*train_args(data, split, *FIRST_HALF, "--parallel.pp=2"), nproc=2)
+    assert_carries_on(split, reference, "pp1 -> pp2")
