@@ -100,16 +100,25 @@ def test_a_one_process_checkpoint_resumes_expert_parallel(data, single, tmp_path
 EIGHT = [*COMMON, "--model.num_experts=8", "--data.micro_batch_size=2"]
 
 
+def one_process_and_layout(data, tmp_path: Path, fields: list[str],
+                           layout: str) -> tuple[Path, Path, dict[int, float]]:
+    """A run of ``fields`` in one process and one under ``layout`` on two ranks, which takes
+    its losses: both run folders and the one-process losses."""
+    single, sharded = tmp_path / "single", tmp_path / layout.removeprefix("--parallel.")
+    cli(*train_args(data, single, *fields))
+    cli(*train_args(data, sharded, *fields, layout), nproc=2)
+    reference = train_losses(single)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    for step, loss in train_losses(sharded).items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), (layout, step)
+    return single, sharded, reference
+
+
 def test_an_expert_parallel_checkpoint_resumes_on_four_ranks(data, tmp_path):
     """EP=2's step-3 checkpoint of eight experts resumes under EP=4 (four ranks of two
     experts) with the one-process run's losses of steps 4-6."""
-    single, ep2, ep4 = tmp_path / "single", tmp_path / "ep2", tmp_path / "ep4"
-    cli(*train_args(data, single, *EIGHT))
-    cli(*train_args(data, ep2, *EIGHT, "--parallel.ep=2"), nproc=2)
-    reference = train_losses(single)
-    assert sorted(reference) == list(range(1, STEPS + 1))
-    for step, loss in train_losses(ep2).items():
-        assert loss == pytest.approx(reference[step], rel=1e-5), ("ep2", step)
+    _, ep2, reference = one_process_and_layout(data, tmp_path, EIGHT, "--parallel.ep=2")
+    ep4 = tmp_path / "ep4"
     cli(*train_args(data, resumed_from(ep2, ep4), *EIGHT, "--parallel.ep=4"), nproc=4)
     assert_carries_on(ep4, reference, "ep2 -> ep4")
 
@@ -197,13 +206,8 @@ def test_a_pipeline_stage_without_experts_saves_and_reshards(data, tmp_path):
     both stages, as in one process), and one process's resumes at PP=2, each with the
     uninterrupted one-process losses of steps 4-6. (A first stage without experts is refused
     at load time: tests/model/test_config_errors.py.)"""
-    single, pp2 = tmp_path / "single", tmp_path / "pp2"
-    cli(*train_args(data, single, *FIRST_HALF))
-    cli(*train_args(data, pp2, *FIRST_HALF, "--parallel.pp=2"), nproc=2)
-    reference = train_losses(single)
-    assert sorted(reference) == list(range(1, STEPS + 1))
-    for step, loss in train_losses(pp2).items():
-        assert loss == pytest.approx(reference[step], rel=1e-5), ("pp2", step)
+    single, pp2, reference = one_process_and_layout(data, tmp_path, FIRST_HALF,
+                                                    "--parallel.pp=2")
     again = resumed_from(pp2, tmp_path / "pp2-again")
     cli(*train_args(data, again, *FIRST_HALF, "--parallel.pp=2"), nproc=2)
     assert_carries_on(again, reference, "pp2 -> pp2")
