@@ -27,21 +27,15 @@ CLUSTER_MODULES = frozenset({"tests/launch/test_slurm.py", "tests/launch/test_sl
 CLUSTER = "cluster"
 
 # Heaviest first: seconds of test time per unit in a whole run on the 2-core CPU
-# (2026-11-27, the modules with experts added from the run of 2026-11-28), from about 300
-# down to 40.
-HEAVY = ("tests/pretrain/run/test_expert_checkpoints.py", "tests/model/test_compiled_blocks.py",
-         "tests/pretrain/hf/test_hf_remote.py", "tests/bench/test_gpu_check.py",
-         "tests/pretrain/train/test_downstream.py", CLUSTER,
-         "tests/runtime/test_parallel_parity.py", "tests/pretrain/run/test_async_checkpoint.py",
-         "tests/kernels/test_triton_kernels.py", "tests/pretrain/train/test_watchdog.py",
-         "tests/pretrain/train/test_spike_guard.py", "tests/docs/test_template_runs.py",
-         "tests/bench/test_kernel_resources.py", "tests/runtime/test_distributed_optimizer.py",
-         "tests/model/test_layout_init.py", "tests/pretrain/unsharded/test_lm_eval.py",
-         "tests/pretrain/hf/test_hf_export.py", "tests/pretrain/test_pretrain.py",
-         "tests/pretrain/report/test_dry_run.py", "tests/pretrain/train/test_experts_cli.py",
-         "tests/pretrain/run/test_no_orphans.py", "tests/pretrain/run/test_run_safety.py",
-         "tests/test_bf16_parity.py", "tests/bench/test_saved_activations.py",
-         "tests/model/test_compile_cache.py")
+# (2026-11-27), from about 270 down to 40.
+HEAVY = ("tests/model/test_compiled_blocks.py", "tests/pretrain/hf/test_hf_remote.py",
+         "tests/bench/test_gpu_check.py", "tests/pretrain/train/test_downstream.py",
+         CLUSTER, "tests/runtime/test_parallel_parity.py",
+         "tests/pretrain/run/test_async_checkpoint.py", "tests/kernels/test_triton_kernels.py",
+         "tests/pretrain/train/test_watchdog.py", "tests/pretrain/hf/test_hf_export.py",
+         "tests/pretrain/test_pretrain.py", "tests/pretrain/train/test_spike_guard.py",
+         "tests/pretrain/report/test_dry_run.py", "tests/pretrain/run/test_no_orphans.py",
+         "tests/pretrain/run/test_run_safety.py", "tests/test_bf16_parity.py")
 
 
 def unit(nodeid: str) -> str:
