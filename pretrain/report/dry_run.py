@@ -199,11 +199,11 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     first_stage = [m.moe_blocks[i] for i in first_stage_blocks(m.num_layers, p)]
     in_flight = min(p.pp, max(1, d.global_batch_size // (d.micro_batch_size * dp)))
     streams = m.residual_streams
+    kept = {experts: layer(experts) for experts in set(first_stage)}  # dense and MoE blocks
     if p.recompute is Recompute.FULL:
-        per_microbatch = (layers_per_stage * streams * h * width / sp
-                          + max(layer(e) for e in first_stage))
+        per_microbatch = layers_per_stage * streams * h * width / sp + max(kept.values())
     else:
-        per_microbatch = sum(layer(e) for e in first_stage)
+        per_microbatch = sum(kept[experts] for experts in first_stage)
     if d.document_attention:
         per_microbatch += 4
     # what closes the decoder keeps its input: a norm's h, the merge's n h, hyper-connections'
