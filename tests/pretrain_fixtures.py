@@ -59,15 +59,14 @@ def env(gpu: bool = False, **extra: str) -> dict[str, str]:
 def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None = None,
         timeout: int = 300, gpu: bool = False) -> subprocess.CompletedProcess:
     """``python -m pretrain ARGS`` (through torchrun with ``nproc`` ranks when > 1), on the CPU
-    unless ``gpu``. One CPU process in the usual environment is forked from tests/zygote.py,
-    which has done the imports already; ``--verbose`` shows import-time notices, so it
-    starts afresh."""
+    unless ``gpu``. On the CPU in the usual environment the process, or each rank as torchrun
+    would start it, is forked from tests/zygote.py, which has done the imports already;
+    ``--verbose`` shows import-time notices, so it starts afresh."""
     environ = env(gpu, **(extra_env or {}))
-    server = zygote(environ) if nproc == 1 and not gpu and not extra_env \
-        and "--verbose" not in args else None
+    server = zygote(environ) if not gpu and not extra_env and "--verbose" not in args else None
     if server is not None and server.takes(environ, REPO):
         tiers.require("slow", f"starts a process (python -m pretrain {args[0]})")
-        done = server.run(list(args), environ, timeout)
+        done = server.run(list(args), environ, timeout, nproc)
     else:
         launch = ["-m", "torch.distributed.run", "--standalone",
                   f"--nproc-per-node={nproc}"] if nproc > 1 else []

@@ -22,31 +22,48 @@ notice:
   whatever it started together (a timeout), and tests about signals, process trees and
   launchers start real processes instead.
 
+A request for ``nproc`` > 1 ranks is served as ``torchrun --standalone --nproc-per-node
+NPROC`` would serve it: one child per rank with the variables torchrun's agent gives its
+workers (:func:`rank_environ`; rank 0 hosts the rendezvous store on a free port, where under
+torchrun the agent hosts it), each with an error file of its own, so that a mistake is
+reported once (:func:`runtime.launcher.report_error`); all write to the same streams, as under
+torchrun. When a rank fails the others are sent SIGTERM, then SIGKILL after
+:data:`GRACE_S`, and the launch exits 1, as torchrun's does.
+
 Protocol: a ``SOCK_SEQPACKET`` Unix socket in the abstract namespace (nothing on disk to
-clean up); one request per connection, ``{"args", "env", "cwd"}`` as JSON with the child's
-stdin, stdout and stderr passed as descriptors; answers ``{"pid"}`` once forked, then
-``{"returncode"}``.
+clean up); one request per connection, ``{"args", "env", "cwd", "nproc"}`` as JSON with the
+children's stdin, stdout and stderr passed as descriptors; answers ``{"pids"}`` once forked,
+then ``{"returncode"}``.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+
+from runtime.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 READY = b"ready\n"
 
 # Variables that change from test to test and are read only while running.
 VOLATILE = ("PYTEST_CURRENT_TEST",)
+
+# Seconds the other ranks of a failed launch get between SIGTERM and SIGKILL (torchrun's
+# agent waits 30 s by default).
+GRACE_S = 30.0
 
 
 def stable_environ(environ: dict[str, str]) -> dict[str, str]:
@@ -102,16 +119,87 @@ def serve(name: str) -> None:
         with conn:
             message, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
             request = json.loads(message)
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                _become(request, fds, conn)
-                return
+            nproc = request.get("nproc", 1)
+            errors = tempfile.mkdtemp(prefix="zygote-errors-") if nproc > 1 else None
+            port = free_port() if nproc > 1 else 0
+            pids = []
+            for rank in range(nproc):
+                environ = request["env"] if errors is None else \
+                    rank_environ(request["env"], rank, nproc, port, errors)
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    _become(request["cwd"], request["args"], environ, fds, conn)
+                    return
+                with contextlib.suppress(OSError):  # as the child does: no signal may miss it
+                    os.setpgid(pid, pid)
+                pids.append(pid)
+            _send(conn, {"pids": pids})
+            returncode = _wait(pids, fds[2])
             for fd in fds:
                 os.close(fd)
-            _send(conn, {"pid": pid})
-            _, status = os.waitpid(pid, 0)
-            _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+            if errors is not None:
+                shutil.rmtree(errors, ignore_errors=True)
+            _send(conn, {"returncode": returncode})
+
+
+def rank_environ(environ: dict[str, str], rank: int, nproc: int, port: int,
+                 errors: str) -> dict[str, str]:
+    """What torchrun's agent adds to the environment of rank ``rank`` of ``nproc`` on one
+    node (torch.distributed.elastic's LocalElasticAgent), the rendezvous at ``port``."""
+    os.makedirs(f"{errors}/{rank}", exist_ok=True)
+    return {**environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                           "1"),
+            "TORCHELASTIC_ERROR_FILE": f"{errors}/{rank}/error.json",
+            # set in torchrun's own environment (its signal handling), inherited by the ranks
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT"}
+
+
+def _wait(pids: list[int], stderr: int) -> int:
+    """Every child's end: the one child's exit status, or for ranks torchrun's: 0 when all
+    succeeded, else 1, the others ended (SIGTERM, SIGKILL after :data:`GRACE_S`) as soon as
+    one fails, which a line on the launch's ``stderr`` says. Only ``pids`` are reaped."""
+    import selectors
+
+    failed, deadline = False, None
+    with selectors.DefaultSelector() as sel:
+        for pid in pids:
+            sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+        while sel.get_map():
+            ready = sel.select(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if not ready:  # the grace period is over
+                _signal_all([key.data for key in sel.get_map().values()], signal.SIGKILL)
+                deadline = None
+            for key, _ in ready:
+                sel.unregister(key.fileobj)
+                os.close(key.fileobj)
+                code = os.waitstatus_to_exitcode(os.waitpid(key.data, 0)[1])
+                if len(pids) == 1:
+                    return code
+                if code != 0 and not failed:
+                    failed = True
+                    with contextlib.suppress(OSError):  # the caller may have gone
+                        os.write(stderr, f"zygote: rank {pids.index(key.data)} exited "
+                                 f"{code}; ending the others\n".encode())
+                    _signal_all([k.data for k in sel.get_map().values()], signal.SIGTERM)
+                    deadline = time.monotonic() + GRACE_S
+    return 1 if failed else 0
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    """``sig`` to the children's process groups (each child leads its own)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _send(conn: socket.socket, message: dict) -> None:
@@ -121,17 +209,18 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass
 
 
-def _become(request: dict, fds: list[int], conn: socket.socket) -> None:
+def _become(cwd: str, args: list[str], environ: dict[str, str], fds: list[int],
+            conn: socket.socket) -> None:
     """Turn the forked server into the requested process (before ``pretrain`` runs)."""
     conn.close()
     os.setpgid(0, 0)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.chdir(request["cwd"])
+    os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = ["-m", *request["args"]]
+    os.environ.update(environ)
+    sys.argv = ["-m", *args]
 
 
 # ---------------------------------------------------------------------------- the client ----
@@ -153,31 +242,34 @@ class Zygote:
         return self.ready and self.server.poll() is None and Path(cwd) == REPO \
             and stable_environ(environ) == self.environ
 
-    def run(self, args: list[str], environ: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], environ: dict[str, str], timeout: float,
+            nproc: int = 1) -> subprocess.CompletedProcess:
         """As ``subprocess.run([python, -m, pretrain, *args], capture_output=True, text=True,
-        timeout=timeout)`` would."""
+        timeout=timeout)`` would, or for ``nproc`` > 1 the same through ``torchrun
+        --standalone --nproc-per-node=NPROC``."""
         deadline = time.monotonic() + timeout
-        command = [sys.executable, "-m", "pretrain", *args]
+        launcher = ["-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}"] if nproc > 1 else []
+        command = [sys.executable, *launcher, "-m", "pretrain", *args]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             conn.connect(self.address)
-            request = {"args": list(args), "env": environ, "cwd": str(REPO)}
+            request = {"args": list(args), "env": environ, "cwd": str(REPO), "nproc": nproc}
             socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
             for fd in (null, out_w, err_w):
                 os.close(fd)
-            pid = json.loads(conn.recv(4096))["pid"]
+            pids = json.loads(conn.recv(4096))["pids"]
             try:
                 stdout, stderr = _read_both(out_r, err_r, deadline)
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 returncode = json.loads(conn.recv(4096))["returncode"]
             except TimeoutError:  # socket.timeout is TimeoutError
-                _end(pid)
+                _signal_all(pids, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(command, timeout) from None
             except BaseException:
-                _end(pid)
+                _signal_all(pids, signal.SIGKILL)
                 raise
         return subprocess.CompletedProcess(command, returncode, _text(stdout), _text(stderr))
 
@@ -215,13 +307,6 @@ def _read_both(out_fd: int, err_fd: int, deadline: float) -> tuple[bytes, bytes]
 def _text(data: bytes) -> str:
     """Decoded as ``text=True`` decodes (universal newlines)."""
     return data.decode().replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _end(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 _zygote: Zygote | None = None
