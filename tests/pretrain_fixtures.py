@@ -47,12 +47,18 @@ def make_corpus(folder: Path) -> dict[str, str]:
             "prefix": str(folder / "topics")}
 
 
+# No test reaches the network: a Hub lookup (an lm-eval task's dataset) fails at once, the
+# same on every machine, instead of depending on what the machine can reach.
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
 def env(gpu: bool = False, **extra: str) -> dict[str, str]:
-    """The environment of a CLI child process. On the CPU whatever this machine has, unless
-    ``gpu``: most tests check CPU behaviour exactly (bit-identical resumes, fp32 losses) and
-    many start several ranks; tests/pretrain/test_gpu_e2e.py runs the same CLI on a GPU."""
+    """The environment of a CLI child process, offline (:data:`OFFLINE`). On the CPU whatever
+    this machine has, unless ``gpu``: most tests check CPU behaviour exactly (bit-identical
+    resumes, fp32 losses) and many start several ranks; tests/pretrain/test_gpu_e2e.py runs
+    the same CLI on a GPU."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**standalone_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1",
+    return {**standalone_env(), "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **OFFLINE,
             **({} if gpu else CPU_ONLY_ENV), **extra}
 
 

@@ -17,7 +17,6 @@ from tests.helpers import tiny_model
 from tests.pretrain_fixtures import cli, metrics, train_args, train_losses, val_losses
 
 TASKS = "tests/fixtures/tasks"
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 IN_LOOP = ["--eval.downstream_tasks=tiny_choice", f"--eval.include_path={TASKS}",
            "--eval.downstream_interval=2", "--run.steps=4"]
 SCORES = ("downstream/tiny_choice/acc", "downstream/tiny_choice/acc_norm",
@@ -103,7 +102,7 @@ def scored(data, tmp_path_factory):
     """A single-process run scored in the loop at steps 2 and 4, and the same run without."""
     root = tmp_path_factory.mktemp("downstream")
     cli(*train_args(data, root / "plain", "--run.steps=4"))
-    done = cli(*train_args(data, root / "scored", *IN_LOOP), extra_env=OFFLINE)
+    done = cli(*train_args(data, root / "scored", *IN_LOOP))
     return root / "plain", root / "scored", done.stderr
 
 
@@ -125,7 +124,7 @@ def test_the_last_scores_equal_the_lm_eval_command_on_the_last_checkpoint(scored
     _, run, _ = scored
     done = cli("lm-eval", "--checkpoint", str(run / "checkpoints" / "step_00000004"),
                "--tasks", "tiny_choice", "--include-path", TASKS,
-               "--logging.wandb_mode=disabled", extra_env=OFFLINE)
+               "--logging.wandb_mode=disabled")
     results = json.loads(done.stdout.splitlines()[-1])["results"]["tiny_choice"]
     last = _scores(run)[4]
     assert last["downstream/tiny_choice/acc"] == results["acc,none"]
@@ -139,7 +138,7 @@ def test_the_last_scores_equal_the_lm_eval_command_on_the_last_checkpoint(scored
 def test_tensor_and_pipeline_parallel_runs_score_as_one_process(data, scored, tmp_path, layout):
     _, single, _ = scored
     run = tmp_path / "run"
-    cli(*train_args(data, run, *IN_LOOP, layout), nproc=2, extra_env=OFFLINE)
+    cli(*train_args(data, run, *IN_LOOP, layout), nproc=2)
     _assert_same_scores(run, single)
 
 
@@ -150,6 +149,6 @@ def test_a_compiled_run_scores_as_an_eager_one(data, scored, tmp_path):
     _, single, _ = scored
     run = tmp_path / "run"
     done = cli(*train_args(data, run, *IN_LOOP, "--kernels.compile=true",
-                           "--kernels.compile_backend=aot_eager"), extra_env=OFFLINE)
+                           "--kernels.compile_backend=aot_eager"))
     assert "0 graph breaks" in done.stderr, done.stderr[-3000:]
     _assert_same_scores(run, single)

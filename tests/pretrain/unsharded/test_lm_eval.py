@@ -19,7 +19,6 @@ TASKS = REPO / "tests" / "fixtures" / "tasks"
 QUESTIONS = [(d["question"], d["choices"], d["answer"]) for d in map(
     json.loads, (TASKS / "tiny_choice.jsonl").read_text().splitlines())]
 TASK = (TASKS / "tiny_choice.yaml").read_text()
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 # A task over a Hub dataset that no machine has cached: without network it cannot be built.
 # (its metric spelled out in full: lm-eval prints a notice for each metric without them)
 HUB_TASK = TASK.replace("task: tiny_choice", "task: hub_choice").replace(
@@ -66,7 +65,7 @@ def test_local_task_accuracy_equals_direct_loglikelihood(single_rank, setup):
     run, tasks = setup
     step = int(sorted((run / "checkpoints").glob("step_*"))[-1].name.removeprefix("step_"))
     done = cli("lm-eval", "--checkpoint", str(run / "checkpoints"), "--tasks", "tiny_choice",
-               "--include-path", str(tasks), "--logging.wandb_mode=offline", extra_env=OFFLINE)
+               "--include-path", str(tasks), "--logging.wandb_mode=offline")
     result = json.loads(done.stdout.splitlines()[-1])
     accuracy = result["results"]["tiny_choice"]["acc,none"]
     assert accuracy == pytest.approx(direct_accuracy(run), abs=1e-9)
@@ -110,7 +109,7 @@ def test_task_without_network_from_the_command_line(trained_run, tmp_path):
     one line on stderr (it used to be a ConnectionError traceback, exit 1)."""
     (tmp_path / "hub_choice.yaml").write_text(HUB_TASK)
     done = cli("lm-eval", "--checkpoint", str(trained_run / "checkpoints"), "--tasks",
-               "hub_choice", "--include-path", str(tmp_path), check=False, extra_env=OFFLINE)
+               "hub_choice", "--include-path", str(tmp_path), check=False)
     assert done.returncode == 2, done.stderr[-3000:]
     [line] = done.stderr.splitlines()
     assert line.startswith(UNREACHABLE), line
