@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pydoc_data.topics
@@ -81,6 +82,25 @@ def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None =
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return done
+
+
+def run_logged(module: str, args: list[str], log: Path, timeout: int = 300) -> int:
+    """``python -m MODULE ARGS`` (a test's wrapper of the CLI: ``tests.kill_in_save``,
+    ``tests.inject_spikes``) with its output in ``log``; its exit status. Whatever it leaves
+    in its process group is killed once it ended: megatron's checkpoint writer leaves a
+    helper process behind a SIGKILLed trainer (on a cluster the job's cgroup reaps it).
+    Forked from tests/zygote.py when it can be, else in a session of its own."""
+    environ = env()
+    server = zygote(environ)
+    if server.takes(environ, REPO):
+        tiers.require("slow", f"starts a process (python -m {module})")
+        return server.run(args, environ, timeout, module=module, log=log).returncode
+    proc = in_session([sys.executable, "-m", module, *args], log)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def popen(args: list[str], gpu: bool = False) -> subprocess.Popen:

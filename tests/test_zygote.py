@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pretrain_fixtures import REPO, env, train_args, train_losses
+from tests.pretrain_fixtures import REPO, env, run_logged, train_args, train_losses
 from tests.zygote import Zygote, _wait, rank_environ, zygote
 
 pytestmark = pytest.mark.slow
@@ -188,3 +188,18 @@ def test_a_timeout_ends_every_rank(data, tmp_path):
         assert time.monotonic() < deadline, "a timed-out rank is still there"
         time.sleep(0.05)
     assert server.run(["explain", "optim.lr"], env(), timeout=60).returncode == 0
+
+
+def test_a_logged_module_writes_its_log_and_leaves_nothing_in_its_group(tmp_path):
+    """``run_logged``: a test's wrapper module (not ``pretrain``) forked from the server, its
+    output in the log, and the child it left behind in its process group killed once it
+    ended."""
+    log, pidfile = tmp_path / "log", tmp_path / "pid"
+    assert run_logged("tests.leave_a_child", [str(pidfile)], log, timeout=60) == 0
+    assert zygote(env()).takes(env(), REPO)  # it was the server's child
+    left = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(left):
+        assert time.monotonic() < deadline, "the child left behind still runs"
+        time.sleep(0.05)
+    assert log.read_text() == f"left {left}\nexiting\n"

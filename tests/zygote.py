@@ -102,9 +102,9 @@ def _preload() -> bool:
     return quiet and threads == 1 and threading.active_count() == 1
 
 
-def serve(name: str) -> None:
+def serve(name: str) -> str:
     """Answer requests at the abstract socket ``name`` until the caller goes; returns only in
-    a forked child, turned into the requested process."""
+    a forked child, turned into the requested process: the module it is to run."""
     _die_with_parent()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind("\0" + name)
@@ -130,7 +130,7 @@ def serve(name: str) -> None:
                 if pid == 0:
                     listener.close()
                     _become(request["cwd"], request["args"], environ, fds, conn)
-                    return
+                    return request.get("module", "pretrain")
                 with contextlib.suppress(OSError):  # as the child does: no signal may miss it
                     os.setpgid(pid, pid)
                 pids.append(pid)
@@ -242,27 +242,38 @@ class Zygote:
         return self.ready and self.server.poll() is None and Path(cwd) == REPO \
             and stable_environ(environ) == self.environ
 
-    def run(self, args: list[str], environ: dict[str, str], timeout: float,
-            nproc: int = 1) -> subprocess.CompletedProcess:
-        """As ``subprocess.run([python, -m, pretrain, *args], capture_output=True, text=True,
+    def run(self, args: list[str], environ: dict[str, str], timeout: float, nproc: int = 1,
+            module: str = "pretrain", log: Path | None = None) -> subprocess.CompletedProcess:
+        """As ``subprocess.run([python, -m, MODULE, *args], capture_output=True, text=True,
         timeout=timeout)`` would, or for ``nproc`` > 1 the same through ``torchrun
-        --standalone --nproc-per-node=NPROC``."""
+        --standalone --nproc-per-node=NPROC``. With ``log`` the output goes to that file
+        instead (the result holds none), and when the process has ended whatever it left in
+        its process group is killed: a helper process that megatron's checkpoint writer
+        leaves behind a SIGKILLed trainer (on a cluster the job's cgroup reaps it), which
+        would hold captured output open."""
         deadline = time.monotonic() + timeout
         launcher = ["-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={nproc}"] if nproc > 1 else []
-        command = [sys.executable, *launcher, "-m", "pretrain", *args]
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        command = [sys.executable, *launcher, "-m", module, *args]
+        if log is None:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+        else:
+            out_w = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            err_w = os.dup(out_w)
         null = os.open(os.devnull, os.O_RDONLY)
+        stdout = stderr = b""
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             conn.connect(self.address)
-            request = {"args": list(args), "env": environ, "cwd": str(REPO), "nproc": nproc}
+            request = {"args": list(args), "env": environ, "cwd": str(REPO), "nproc": nproc,
+                       "module": module}
             socket.send_fds(conn, [json.dumps(request).encode()], [null, out_w, err_w])
             for fd in (null, out_w, err_w):
                 os.close(fd)
             pids = json.loads(conn.recv(4096))["pids"]
             try:
-                stdout, stderr = _read_both(out_r, err_r, deadline)
+                if log is None:
+                    stdout, stderr = _read_both(out_r, err_r, deadline)
                 conn.settimeout(max(deadline - time.monotonic(), 0.001))
                 returncode = json.loads(conn.recv(4096))["returncode"]
             except TimeoutError:  # socket.timeout is TimeoutError
@@ -271,6 +282,8 @@ class Zygote:
             except BaseException:
                 _signal_all(pids, signal.SIGKILL)
                 raise
+        if log is not None:
+            _signal_all(pids, signal.SIGKILL)
         return subprocess.CompletedProcess(command, returncode, _text(stdout), _text(stderr))
 
     def close(self) -> None:
@@ -324,8 +337,8 @@ def zygote(environ: dict[str, str]) -> Zygote:
     return _zygote
 
 
-def run_pretrain() -> None:
-    """Run ``pretrain`` as ``__main__`` in a forked child and end the process as the
+def run_main(module: str) -> None:
+    """Run ``module`` as ``__main__`` in a forked child and end the process as the
     interpreter would, minus the teardown of every module: non-daemon threads joined, exit
     handlers run, streams flushed, the exit status of ``sys.exit``, an uncaught exception or
     Ctrl-C. The teardown is skipped as multiprocessing's forked children skip it: it would
@@ -336,7 +349,7 @@ def run_pretrain() -> None:
 
     code, interrupted = 0, False
     try:
-        runpy.run_module("pretrain", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = _exit_status(stop.code)
     except KeyboardInterrupt:
@@ -369,5 +382,4 @@ def _exit_status(code) -> int:
 
 if __name__ == "__main__":
     sys.path[0] = os.getcwd()  # as ``python -m`` has it, not this file's folder
-    serve(sys.argv[1])
-    run_pretrain()
+    run_main(serve(sys.argv[1]))

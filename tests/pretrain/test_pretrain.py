@@ -1,9 +1,7 @@
 """End-to-end pretraining through the real CLI: training, resume, parallel layouts, W&B."""
 
-import contextlib
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -18,6 +16,7 @@ from tests.pretrain_fixtures import (
     cli,
     env,
     metrics,
+    run_logged,
     train_args,
     train_losses,
     val_losses,
@@ -101,15 +100,9 @@ def test_sigkill_during_save_resumes_from_previous_checkpoint(data, reference, t
     run = tmp_path / "run"
     args = train_args(data, run, f"--run.steps={STEPS}", "--run.eval_interval=100",
                       "--run.save_interval=3")
-    # Its own session: megatron's checkpoint writer leaves a helper process that outlives a
-    # SIGKILLed parent (on a cluster the job's cgroup reaps it); the test reaps the group.
-    with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.kill_in_save", "6", *args],
-                                cwd=REPO, stdout=log, stderr=log, start_new_session=True,
-                                env=env())
-        code = proc.wait(timeout=240)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # megatron's checkpoint writer leaves a helper process that outlives a SIGKILLed parent:
+    # run_logged reaps it
+    code = run_logged("tests.kill_in_save", ["6", *args], tmp_path / "killed.log", timeout=240)
     assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000003"

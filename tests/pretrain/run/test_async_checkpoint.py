@@ -3,10 +3,8 @@ a foreground save of the same step holds although training goes on while they ar
 they resume exactly, and neither a SIGKILL during the background write nor a write that fails
 costs the previous checkpoint."""
 
-import contextlib
 import json
 import logging
-import os
 import resource
 import shutil
 import signal
@@ -27,7 +25,7 @@ from pretrain.run import checkpoint
 from pretrain.run.saver import Saver
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
-from tests.pretrain_fixtures import REPO, cli, env, in_session, train_args, train_losses
+from tests.pretrain_fixtures import REPO, cli, env, run_logged, train_args, train_losses
 
 STEPS, EVERY = 9, 3
 # One rank with megatron's plain optimizer: its weights and Adam moments are whole tensors,
@@ -124,13 +122,9 @@ def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint(data, f
     wrote stay in .step_6.tmp, never a checkpoint; the resume repeats every loss."""
     run = tmp_path / "run"
     args = train_args(data, run, *COMMON, BACKGROUND)
-    # Its own session: the writer outlives a SIGKILLed trainer until its write ends (on a
-    # cluster the job's cgroup reaps it); the test reaps the group.
-    proc = in_session([sys.executable, "-m", "tests.kill_in_save", "--background", "6", *args],
-                      tmp_path / "killed.log")
-    code = proc.wait(timeout=240)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # the writer outlives a SIGKILLed trainer until its write ends: run_logged reaps it
+    code = run_logged("tests.kill_in_save", ["--background", "6", *args],
+                      tmp_path / "killed.log", timeout=240)
     assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == SAVED[0]

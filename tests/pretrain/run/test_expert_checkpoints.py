@@ -12,18 +12,14 @@ the balancing and z losses on, sigmoid scores with DeepSeek-V3's expert bias."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.pretrain.run.test_async_checkpoint import assert_same_checkpoints
-from tests.pretrain_fixtures import REPO, cli, env, in_session, train_args, train_losses
+from tests.pretrain_fixtures import cli, run_logged, train_args, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -130,10 +126,9 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_and_its_advice_trains(dat
     starts (megatron would fail deep in the load); the advice, a new run from its weights
     with --run.init_from, trains from them."""
     old = tmp_path / "old"
-    done = subprocess.run([sys.executable, "-m", "tests.old_expert_layout",
-                           *train_args(data, old, *COMMON)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    log = tmp_path / "old.log"
+    code = run_logged("tests.old_expert_layout", train_args(data, old, *COMMON), log)
+    assert code == 0, log.read_text()[-2000:]
     assert train_losses(old) == pytest.approx(train_losses(single), rel=1e-5)
     run = resumed_from(old, tmp_path / "resumed")
     done = cli(*train_args(data, run, *COMMON), check=False)
@@ -171,12 +166,9 @@ def test_sigkill_during_a_save_resumes_every_loss_exactly(data, single, tmp_path
     routers' expert biases, the experts and their optimizer state all restored)."""
     run = tmp_path / "run"
     args = train_args(data, run, *COMMON)
-    # Its own session: megatron's checkpoint writer may outlive the killed trainer.
-    proc = in_session([sys.executable, "-m", "tests.kill_in_save", str(STEPS), *args],
-                      tmp_path / "killed.log")
-    code = proc.wait(timeout=240)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    # megatron's checkpoint writer may outlive the killed trainer: run_logged reaps it
+    code = run_logged("tests.kill_in_save", [str(STEPS), *args], tmp_path / "killed.log",
+                      timeout=240)
     assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
     assert (run / "checkpoints" / "latest").read_text() == SAVED[0]
     cli(*args)

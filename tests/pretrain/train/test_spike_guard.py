@@ -3,13 +3,8 @@ weight or the optimizer state, are counted and logged, decide the same after a r
 too many in a row stop the run or roll it back past the batches that caused them; a W&B run
 keeps one step axis through rollbacks and resumes."""
 
-import contextlib
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,7 +24,7 @@ from pretrain.train.guard import (
 from runtime.checkpoint_reader import common_state
 from runtime.schedule import forward_backward
 from tests.helpers import MBS, SEQ, batches, tiny_model
-from tests.pretrain_fixtures import REPO, env, metrics, train_args, train_losses
+from tests.pretrain_fixtures import metrics, run_logged, train_args, train_losses
 from tests.wandb_reader import read_run
 
 SPIKY = ["--guard.spikes=true", "--guard.window=8", "--guard.warmup=4",
@@ -168,17 +163,10 @@ class Done(NamedTuple):
 
 
 def _inject(spec: str, args: list[str], log: Path) -> Done:
-    """The CLI with spikes injected (tests/inject_spikes.py), its output in ``log``. In its own
-    session, so that the helper process megatron's checkpoint writer leaves behind a
-    SIGKILLed run is reaped with it (on a cluster the job's cgroup does that)."""
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.inject_spikes", spec, *args],
-                                cwd=REPO, env=env(), stdout=out, stderr=out,
-                                start_new_session=True)
-        code = proc.wait(timeout=300)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return Done(code, log.read_text())
+    """The CLI with spikes injected (tests/inject_spikes.py), its output in ``log`` (the
+    helper process megatron's checkpoint writer leaves behind a SIGKILLed run reaped with
+    it: :func:`run_logged`)."""
+    return Done(run_logged("tests.inject_spikes", [spec, *args], log), log.read_text())
 
 
 def _saved_schedule(checkpoint: Path) -> dict:
