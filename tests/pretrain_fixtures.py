@@ -16,7 +16,7 @@ from pathlib import Path
 from runtime.launcher import standalone_env
 from tests import tiers
 from tests.helpers import CPU_ONLY_ENV
-from tests.zygote import zygote
+from tests.zygote import torchrun, zygote
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,9 +75,7 @@ def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None =
         tiers.require("slow", f"starts a process (python -m pretrain {args[0]})")
         done = server.run(list(args), environ, timeout, nproc)
     else:
-        launch = ["-m", "torch.distributed.run", "--standalone",
-                  f"--nproc-per-node={nproc}"] if nproc > 1 else []
-        done = subprocess.run([sys.executable, *launch, "-m", "pretrain", *args], cwd=REPO,
+        done = subprocess.run([sys.executable, *torchrun(nproc), "-m", "pretrain", *args], cwd=REPO,
                               env=environ, capture_output=True, text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")

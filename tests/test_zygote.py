@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.pretrain_fixtures import REPO, env, run_logged, train_args, train_losses
-from tests.zygote import Zygote, _wait, rank_environ, zygote
+from tests.zygote import Zygote, _wait, rank_environ, torchrun, zygote
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def test_a_server_whose_imports_print_or_start_threads_refuses_to_serve(noise):
         server.close()
 
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+TORCHRUN = [sys.executable, *torchrun(2)]
 
 
 def test_ranks_get_the_variables_torchrun_gives_its_workers(tmp_path):

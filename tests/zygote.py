@@ -31,9 +31,9 @@ torchrun. When a rank fails the others are sent SIGTERM, then SIGKILL after
 :data:`GRACE_S`, and the launch exits 1, as torchrun's does.
 
 Protocol: a ``SOCK_SEQPACKET`` Unix socket in the abstract namespace (nothing on disk to
-clean up); one request per connection, ``{"args", "env", "cwd", "nproc"}`` as JSON with the
-children's stdin, stdout and stderr passed as descriptors; answers ``{"pids"}`` once forked,
-then ``{"returncode"}``.
+clean up); one request per connection, ``{"args", "env", "cwd", "nproc", "module"}`` as JSON
+(``module``: ``pretrain`` or a test's wrapper of it) with the children's stdin, stdout and
+stderr passed as descriptors; answers ``{"pids"}`` once forked, then ``{"returncode"}``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ VOLATILE = ("PYTEST_CURRENT_TEST",)
 # Seconds the other ranks of a failed launch get between SIGTERM and SIGKILL (torchrun's
 # agent waits 30 s by default).
 GRACE_S = 30.0
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The interpreter arguments that start ``-m MODULE`` on ``nproc`` local ranks (none for
+    one process)."""
+    return ["-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}"] if nproc > 1 else []
 
 
 def stable_environ(environ: dict[str, str]) -> dict[str, str]:
@@ -252,9 +259,7 @@ class Zygote:
         leaves behind a SIGKILLed trainer (on a cluster the job's cgroup reaps it), which
         would hold captured output open."""
         deadline = time.monotonic() + timeout
-        launcher = ["-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={nproc}"] if nproc > 1 else []
-        command = [sys.executable, *launcher, "-m", module, *args]
+        command = [sys.executable, *torchrun(nproc), "-m", module, *args]
         if log is None:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
