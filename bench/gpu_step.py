@@ -26,13 +26,17 @@ figures, which is how ``bench.gpu_check`` rehearses it at a tiny size.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -234,17 +238,24 @@ def measure(args, scheme: str) -> dict:
 def run_worker(scheme: str, micro_batch: int, impl: str, recompute: str,
                forwarded: list[str], timeout: float | None = None) -> dict | None:
     """Measure one scheme at one micro-batch with one linear-layer implementation and one
-    recompute setting in a fresh process (stopped after ``timeout`` seconds); None (after
-    printing why) if it failed."""
+    recompute setting in a process of its own (stopped after ``timeout`` seconds); None (after
+    printing why) if it failed.
+
+    On a GPU the process is a fresh interpreter: a fresh allocator keeps each worker's memory
+    figures its own. Without CUDA (the CPU rehearsal, which has no memory figures) it is forked
+    from this one once the worker's imports are done (:func:`_forked`): the same ``main``, the
+    same arguments, without a start-up that was 4 of each worker's 5 s there."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
+        argv = [*forwarded, "--worker", scheme, "--micro-batch", str(micro_batch),
+                "--transformer-impl", impl, "--recompute", recompute, "--result", str(result)]
         try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "bench.gpu_step", *forwarded, "--worker", scheme,
-                 "--micro-batch", str(micro_batch), "--transformer-impl", impl,
-                 "--recompute", recompute, "--result", str(result)],
-                cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                timeout=timeout)
+            if torch.cuda.is_available():
+                proc = subprocess.run([sys.executable, "-m", "bench.gpu_step", *argv],
+                                      cwd=Path(__file__).resolve().parents[1],
+                                      capture_output=True, text=True, timeout=timeout)
+            else:
+                proc = _forked(argv, timeout)
         except subprocess.TimeoutExpired:
             print(f"{scheme} at micro-batch {micro_batch}: stopped after {timeout:.0f} s",
                   file=sys.stderr)
@@ -258,6 +269,50 @@ def run_worker(scheme: str, micro_batch: int, impl: str, recompute: str,
                   file=sys.stderr)
             return None
         return json.loads(result.read_text())
+
+
+# What a worker imports (build, measure): imported once before the first fork, not per worker.
+_WORKER_MODULES = ("bench.document_attention", "kernels.backend", "model.backends",
+                   "model.builder", "model.compiled", "model.config", "pretrain.config",
+                   "pretrain.optim", "pretrain.report.throughput", "runtime.device",
+                   "runtime.parallel", "runtime.schedule")
+
+
+def _forked(argv: list[str], timeout: float | None) -> subprocess.CompletedProcess:
+    """``main(argv)`` in a child forked from this process, its output in a file; the child
+    computes on one thread (an intra-op pool does not survive a fork) and ends without
+    teardown. Raises TimeoutExpired after killing it at ``timeout``."""
+    for module in _WORKER_MODULES:
+        importlib.import_module(module)
+    with tempfile.TemporaryFile("w+") as log:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                os.dup2(log.fileno(), 1)  # C-level output too
+                os.dup2(log.fileno(), 2)
+                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - ends with the child
+                sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+                torch.set_num_threads(1)
+                code = main(argv)
+            except BaseException:  # noqa: BLE001 - whatever it was, its traceback is the log
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if deadline is not None and time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            time.sleep(0.02)
+        log.seek(0)
+        return subprocess.CompletedProcess(argv, os.waitstatus_to_exitcode(status[1]),
+                                           log.read(), "")
 
 
 def summarise(r: dict) -> dict:

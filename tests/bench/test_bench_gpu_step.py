@@ -67,3 +67,32 @@ def test_profiles_are_put_side_by_side_by_what_a_scheme_adds(capsys):
     assert kernels[:3] == ["entry_bwd", "gemm", "norm_fwd"], kernels
     assert "| entry_bwd | 0.00 (0) | 3.00 (2) | +3.00 |" in out
     assert "| all kernels | 81.00 | 83.70 |" in out
+
+
+def test_a_forked_worker_reports_its_failure_and_is_killed_at_its_timeout(monkeypatch,
+                                                                          tmp_path):
+    """The CPU rehearsal's workers are forked (gpu_step._forked): a worker that raises exits 1
+    with its traceback as its output; one that outlives its timeout is killed and reaped."""
+    import os
+    import subprocess
+    import time
+
+    def broken(argv):
+        raise ValueError(f"broken with {argv}")
+
+    monkeypatch.setattr(gpu_step, "main", broken)
+    done = gpu_step._forked(["--worker", "pre"], timeout=60)
+    assert done.returncode == 1
+    assert "ValueError: broken with ['--worker', 'pre']" in done.stdout
+
+    def hangs(argv):
+        (tmp_path / "pid").write_text(str(os.getpid()))
+        time.sleep(60)
+
+    monkeypatch.setattr(gpu_step, "main", hangs)
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        gpu_step._forked(["--worker", "pre"], timeout=1)
+    assert time.monotonic() - began < 10
+    pid = int((tmp_path / "pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}"), "the worker was left (alive or unreaped)"
