@@ -22,6 +22,23 @@ from tests.pretrain_fixtures import cli, make_corpus, train_args
 tiers.install()
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist, each worker computes on its share of the cores, and so does every
+    process it starts (OMP_NUM_THREADS, unless set already). torch's default, a thread per
+    core in every worker, puts two workers' threads on each core of the 2-core machine, where
+    OpenMP's threads spin while they wait for each other (the parity test's MoE references:
+    109 s so, 4.5 s on one thread, tests/helpers.one_thread)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores()
+
+
 def _rewrite_interpreted_kernels() -> None:
     """Have Triton's interpreter parse and rewrite every kernel now, once, while this process
     has a single thread. It does so lazily, with ast.parse, on a kernel's first launch, and

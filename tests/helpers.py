@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from multiprocessing import forkserver
 
 import torch
 import torch.multiprocessing as mp
@@ -147,25 +148,34 @@ def spawn(world: int, fn, *args, gpu: bool = False) -> None:
     ``gpu``-marked parity tests, on machines with enough GPUs).
 
     CPU ranks are forked from multiprocessing's fork server, which has imported torch and
-    megatron-core once (tests/preload.py) instead of once per rank; it serves only while the
-    environment is the one it started with (test-to-test variables aside), since imports read
-    it. Otherwise, and on a GPU, each rank is a fresh interpreter."""
+    megatron-core once (tests/preload.py) instead of once per rank. Imports read the
+    environment, so the server serves only the environment it started with (test-to-test
+    variables aside): a spawn in another one starts a new server with it
+    (:func:`_fork_server_for`). On a GPU each rank is a fresh interpreter."""
     with contextlib.nullcontext() if gpu else children_on_cpu():
         environ = dict(os.environ)
-        method = "spawn" if gpu or not _fork_server_takes(environ) else "forkserver"
+        if not gpu:
+            _fork_server_for(environ)
         mp.start_processes(_bootstrap, args=(world, free_port(), fn, args,
-                                             environ if method == "forkserver" else None),
-                           nprocs=world, join=True, start_method=method)
+                                             None if gpu else environ),
+                           nprocs=world, join=True, start_method="spawn" if gpu else "forkserver")
 
 
 _fork_server_environ: dict | None = None
 
 
-def _fork_server_takes(environ: dict) -> bool:
-    """Whether the fork server was (or is now) started with ``environ``."""
+def _fork_server_for(environ: dict) -> None:
+    """Have multiprocessing's fork server started with ``environ``: the running one stopped
+    if it was started with another. Until 2026-11-28 a spawn in another environment started
+    fresh interpreters instead, and a variable set in the test process after the server
+    started stays set: torch's compile sets TORCHINDUCTOR_CACHE_DIR in the process on its
+    first use, so every later spawn of that pytest worker paid a fresh start per rank (about
+    10 s more per two-rank test on the 2-core machine)."""
     global _fork_server_environ
     stable = stable_environ(environ)
-    if _fork_server_environ is None:
-        mp.get_context("forkserver").set_forkserver_preload(["tests.preload", "tests.helpers"])
-        _fork_server_environ = stable
-    return stable == _fork_server_environ
+    if stable == _fork_server_environ:
+        return
+    if _fork_server_environ is not None:
+        forkserver._forkserver._stop()  # the next start_processes starts it again
+    mp.get_context("forkserver").set_forkserver_preload(["tests.preload", "tests.helpers"])
+    _fork_server_environ = stable
