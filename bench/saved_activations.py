@@ -135,8 +135,8 @@ def main(argv=None) -> None:
           + (f", MoE in every block: {args.experts} experts of {args.expert_ffn or args.ffn}, "
              f"top-{args.topk}, shared expert {args.shared_ffn or 'none'}" if args.experts else "")
           + "; bytes per token and "
-          f"layer kept for backward (h = hidden size in values of the dtype); the last column "
-          f"is what a layer keeps once, whatever the tokens\n")
+          "layer kept for backward (h = hidden size in values of the dtype); the last column "
+          "is what a layer keeps once, whatever the tokens\n")
     width = DTYPES[args.dtype].itemsize
     rows = [[r["scheme"], f"{r['measured']:,.0f}", f"{r['measured'] / (width * h):.2f} h",
              f"{r['estimated']:,.0f}", f"{r['measured'] / base['measured']:.3f}",
