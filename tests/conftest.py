@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -37,6 +38,18 @@ def _share_the_cores() -> None:
 
 
 _share_the_cores()
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A suite started in the background by a shell without job control (``make test &``
+    in a script, nohup) inherits SIGINT ignored, and so would every process it starts: the
+    tests that press Ctrl-C on a fresh interpreter then saw it finish with 0 instead of 130.
+    Python's own handler here is reset to the default in each child, as a terminal's is."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_ctrl_c_as_in_a_terminal()
 
 
 def _rewrite_interpreted_kernels() -> None:
