@@ -85,10 +85,8 @@ def _wait_stopped(pgid: int, exit_code, log: Path, timeout: float) -> int:
 def test_ctrl_c_stops_prepare_data_and_its_workers_in_one_line(data, tmp_path):
     corpus = tmp_path / "big.jsonl"
     texts = list(pydoc_data.topics.topics.values())
-    # ~75 MB: 150 copies, so tokenising outlasts the wait for its first chunks even on a
-    # loaded machine (with 50, a whole run on 2026-11-28 finished before its Ctrl-C, exit 0)
-    with corpus.open("w") as f:
-        for copy in range(150):
+    with corpus.open("w") as f:  # ~25 MB: tens of seconds of tokenising on 2 workers
+        for copy in range(50):
             for text in texts:
                 f.write(json.dumps({"text": f"{copy} {text}"}) + "\n")
     out = tmp_path / "out"
