@@ -55,29 +55,10 @@ import os
 import triton
 import triton.language as tl
 
+if os.environ.get("TRITON_INTERPRET") == "1":  # tests and CPU benchmarks only
+    from kernels import interpreter as _interpreter
 
-def _index_scalars_in_the_interpreter() -> None:
-    """Triton 3.6's interpreter (the GPU image's) turns a scalar tensor used as an index (a
-    ``range`` bound) into an int with ``int()`` of its one-element array, which the locked NumPy
-    (2.4) refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.9
-    squeezes the array first. The same squeeze here, for the interpreter only (tests): compiled
-    kernels never see it."""
-    from triton.runtime import interpreter
-
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None or getattr(patch_tensor, "squeezes_index", False):
-        return
-
-    def patch_tensor_squeezing(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patch_tensor_squeezing.squeezes_index = True
-    interpreter._patch_lang_tensor = patch_tensor_squeezing
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _index_scalars_in_the_interpreter()
+    _interpreter.adjust()
 
 
 @triton.jit
