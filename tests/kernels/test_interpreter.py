@@ -5,14 +5,9 @@ the launch. (That the kernels compute the same is every parity test in this fold
 import pytest
 import torch
 import triton.language as tl
+from triton.runtime import interpreter
 
-pytest.importorskip("triton")
-if not hasattr(__import__("triton.runtime.interpreter").runtime.interpreter, "_patch_lang"):
-    pytest.skip("this Triton's interpreter has no _patch_lang", allow_module_level=True)
-
-from triton.runtime import interpreter  # noqa: E402
-
-from kernels import triton_ops  # noqa: E402
+from kernels import triton_ops
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the kernels run compiled, not interpreted, with CUDA")
