@@ -47,7 +47,7 @@ from model.schemes import ResidualScheme
 from pretrain.config import Config, load_config
 from pretrain.report import console
 from pretrain.train.diagnostics import LossSpikeDetector
-from runtime.errors import ConfigError, UserError
+from runtime.errors import ConfigError, UserError, error_lines
 from runtime.launcher import standalone_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(error_lines(str(err)), file=sys.stderr)
         return 2
 
 

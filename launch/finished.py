@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from pretrain.arguments import parse
-from runtime.errors import UserError
+from runtime.errors import UserError, error_lines
 
 
 def last_step(checkpoints: Path) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         args, overrides = parse(argv)
         config = load_config(args.config, overrides)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(error_lines(str(err)), file=sys.stderr)
         return 2
     step = last_step(Path(config.run.dir) / "checkpoints")
     print(f"{config.run.dir}: step {step} of {config.run.steps}")

@@ -12,6 +12,12 @@ worker failed and which it stopped. Where rank 0 wrote no ``error:`` line (a mis
 another rank met), the lowest failed rank's line is printed. Any other failure keeps
 torchrun's report and exit status.
 
+The ranks of a launch meet the same mistake (they read the same config) but not at the same
+instant, and torchrun stops every rank still running as soon as one has failed: a rank a little
+behind then printed ``received SIGTERM: will stop ...`` before its own ``error:`` line. So once
+a rank has exited with one of those statuses, the ranks still running get :data:`SETTLE_S` to
+end by themselves before torchrun stops them (:func:`let_ranks_settle`).
+
 Ctrl-C: torchrun would answer the first by sending its ranks SIGTERM, and a second by
 raising a traceback while it still waits for them. Here torchrun leaves SIGINT alone (it is
 taken out of its ``--signals-to-handle``) and each SIGINT it gets is relayed to the ranks as it is
@@ -28,9 +34,11 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import psutil
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
@@ -42,6 +50,11 @@ EXPLAINED = (2, 3, 4, 130)
 STOPPED = -signal.SIGTERM
 # The logger of torchrun's lines about its workers (which failed, which it stopped).
 WORKER_LOG = "torch.distributed.elastic.multiprocessing.api"
+SETTLE_S = 10.0
+"""How long this node's ranks still running get to end by themselves once one has exited with
+an explained status, before torchrun stops them. The ranks that meet the same config mistake
+end within a second or two of each other; one held in a collective by a mistake only another
+rank met is stopped this much later than torchrun alone would stop it."""
 
 
 def explained_status(failure: ChildFailedError) -> int | None:
@@ -80,6 +93,28 @@ class HeldBack(logging.Filter):
             self.logger.handle(held)
 
 
+def let_ranks_settle(context: type = SubprocessContext) -> None:
+    """Make torchrun's poll of its ranks (``context._poll``, which stops every running rank as
+    soon as one has failed) report them as still running while the ranks that exited did so
+    with an :data:`EXPLAINED` status and others still run, for up to :data:`SETTLE_S` from the
+    first such exit. Any other failure is polled, and so stops the others, at once."""
+    poll = getattr(context, "_poll", None)
+    if poll is None or getattr(poll, "settles", False):  # another torch, or already in place
+        return  # (a torch without it stops the others at once, as plain torchrun does)
+
+    def settling_poll(self):
+        exits = [handler.proc.poll() for handler in self.subprocess_handlers.values()]
+        failed = {code for code in exits if code not in (None, 0)}
+        if failed and None in exits and failed <= set(EXPLAINED):
+            until = self.__dict__.setdefault("settle_until", time.monotonic() + SETTLE_S)
+            if time.monotonic() < until:
+                return None
+        return poll(self)
+
+    settling_poll.settles = True
+    context._poll = settling_poll
+
+
 def relay_interrupt(_signum, _frame) -> None:
     """SIGINT to every rank (torchrun's children), as the rank's own Ctrl-C."""
     for child in psutil.Process().children():
@@ -93,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",")
                                       if name.strip() != "SIGINT")
     signal.signal(signal.SIGINT, relay_interrupt)
+    let_ranks_settle()
     held = HeldBack(logging.getLogger(WORKER_LOG))
     explained = None
     try:

@@ -12,7 +12,8 @@ Three model fields choose, each resolved once per process:
   ``auto``: te where TE can be used, else local.
 
 - ``megatron_fusions`` (auto | on | off): megatron-core's own fused kernels
-  (:func:`resolve_fusions`). ``auto``: on with CUDA, off on the CPU.
+  (:func:`resolve_fusions`). ``auto``: on with CUDA, off on the CPU; the dry run's memory
+  estimate resolves it as on the GPU nodes it plans for, wherever it runs.
 
 Whether TE can be used is decided in one place, :func:`runtime.device.te_unavailable_reason`,
 which never imports TE on a machine without CUDA.
@@ -70,10 +71,11 @@ def resolve_transformer_impl(choice: TransformerImpl) -> TransformerImpl:
     return choice
 
 
-def resolve_fusions(choice: MegatronFusions) -> bool:
+def resolve_fusions(choice: MegatronFusions, cuda: bool | None = None) -> bool:
     """Whether megatron's fusions are on. They are ``torch.compile``d functions (megatron's
     ``jit_fuser``): Triton kernels on a GPU; on the CPU they would compile C++ for a small gain,
-    so ``auto`` keeps them off there."""
+    so ``auto`` keeps them off there. ``cuda``: resolve for a machine with (or without) CUDA
+    rather than this one (the dry run plans for GPU nodes from wherever it runs)."""
     if choice is MegatronFusions.AUTO:
-        return device.uses_cuda()
+        return device.uses_cuda() if cuda is None else cuda
     return choice is MegatronFusions.ON

@@ -135,10 +135,17 @@ def model_parameters(chunks) -> int:
     experts' (marked ``allreduce`` False, :func:`model.moe.mark_experts`: expert parallelism
     splits them over ranks that are data-parallel for the rest), summed over the expert
     model-parallel group (expert TP x EP x PP) instead. A collective: every rank calls it."""
+    return sum(model_parameter_parts(chunks))
+
+
+def model_parameter_parts(chunks) -> tuple[int, int]:
+    """The whole model's parameters as (the routed experts', every other), each summed over
+    the ranks that split it (:func:`model_parameters`); the routed share is what sets the
+    active count of an MoE model (``model.sizes.whole_model_count``). A collective."""
     routed = sum(p.numel() for p in _counted(chunks) if not getattr(p, "allreduce", True))
     dense = count_parameters(chunks) - routed
-    return (_summed(dense, parallel_state.get_model_parallel_group())
-            + _summed(routed, parallel_state.get_expert_tensor_model_pipeline_parallel_group()))
+    return (_summed(routed, parallel_state.get_expert_tensor_model_pipeline_parallel_group()),
+            _summed(dense, parallel_state.get_model_parallel_group()))
 
 
 def _summed(count: int, group) -> int:

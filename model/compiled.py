@@ -169,20 +169,26 @@ def first_step_text(step_seconds: float) -> str:
     on a restart that reuses kernels.compile_cache), and the graph breaks Dynamo counted."""
     inductor = torch._dynamo.utils.counters["inductor"]
     hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
-    reasons = break_reasons()
+    return (f"compiled blocks: {compile_seconds():.1f} s of compilation so far, first step "
+            f"{step_seconds:.1f} s; compiled-graph cache {hits} hits, {misses} misses; "
+            + breaks_text(break_reasons()))
+
+
+def breaks_text(reasons: dict[str, int]) -> str:
+    """The graph breaks of :func:`first_step_text`, one count of them all: '0 graph breaks';
+    '3 graph breaks (3 x <reason>)'; with experts, those at the MoE layers kept eager
+    (:func:`eager_experts`, expected) said apart from any other: '6 graph breaks (all at
+    the MoE layers, ...)' or '8 graph breaks (6 at the MoE layers, ...; 2 x <reason>)'."""
     at_experts = sum(n for r, n in reasons.items() if _EAGER_EXPERTS in r)
     other = {r: n for r, n in reasons.items() if _EAGER_EXPERTS not in r}
-    breaks = sum(other.values())
-    text = (f"compiled blocks: {compile_seconds():.1f} s of compilation so far, first step "
-            f"{step_seconds:.1f} s; compiled-graph cache {hits} hits, {misses} misses; "
-            f"{breaks} graph breaks")
-    if breaks:
-        text += " (" + "; ".join(f"{n} x {_reason(r)}" for r, n in other.items()) + ")"
+    parts = []
     if at_experts:
-        text += (f"; the MoE layers run eager inside their compiled blocks (a graph break "
-                 f"at each, {at_experts} so far), since the tokens each expert receives "
-                 "change every step")
-    return text
+        parts.append(f"{'all' if not other else at_experts} at the MoE layers, which run "
+                     "eager inside their compiled blocks since the tokens each expert "
+                     "receives change every step")
+    parts += [f"{n} x {_reason(r)}" for r, n in other.items()]
+    text = f"{at_experts + sum(other.values())} graph breaks"
+    return text + (" (" + "; ".join(parts) + ")" if parts else "")
 
 
 # How Dynamo names the call of an MoE layer kept eager (:func:`eager_experts`).

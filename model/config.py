@@ -34,7 +34,7 @@ from model.schemes import (
     schemes_reading,
 )
 from runtime import device
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, Findings
 
 
 def require(ok: bool, message: str) -> None:
@@ -46,20 +46,21 @@ def require(ok: bool, message: str) -> None:
 def coerce_choices(section: str, obj) -> None:
     """Turn the strings given for choice fields (declared as a StrEnum) into their enum,
     naming the field and the choices on failure. Every config dataclass calls it from
-    ``__post_init__``, so a config built in Python is checked like one read from TOML."""
+    ``__post_init__``, so a config built in Python is checked like one read from TOML. Every
+    field given a value that is not a choice is reported, one line each."""
     hints = typing.get_type_hints(type(obj))
-    for field in dataclasses.fields(obj):
-        enum_type = hints[field.name]
-        if not (isinstance(enum_type, type) and issubclass(enum_type, StrEnum)):
-            continue
-        value = getattr(obj, field.name)
-        try:
-            setattr(obj, field.name, enum_type(value))
-        except ValueError:
-            choices = ", ".join(e.value for e in enum_type)
-            raise ConfigError(
-                f"{section}.{field.name} ({value!r}) must be one of: {choices}"
-            ) from None
+    with Findings() as found:
+        for field in dataclasses.fields(obj):
+            enum_type = hints[field.name]
+            if not (isinstance(enum_type, type) and issubclass(enum_type, StrEnum)):
+                continue
+            value = getattr(obj, field.name)
+            try:
+                setattr(obj, field.name, enum_type(value))
+            except ValueError:
+                choices = ", ".join(e.value for e in enum_type)
+                found.require(False, f"{section}.{field.name} ({value!r}) must be one of: "
+                              f"{choices}")
 
 
 @dataclass
@@ -370,9 +371,21 @@ class ParallelConfig:
 
 
 def validate_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Check each config and the rules that tie the model's shape to the layout."""
-    model.validate()
-    parallel.validate()
+    """Check each config and the rules that tie the model's shape to the layout. Four groups,
+    each reported (runtime.errors.Findings): the model's own rules and the layout's own, and,
+    where both pass (the others divide by their sizes), the shape's fit to the layout and the
+    mixture of experts'. Inside a group the first failure ends it: its later rules read what
+    earlier ones check, or share their cause (a tp that does not divide the heads does not
+    divide the query groups that default to them)."""
+    with Findings() as found:
+        own = [found.check(model.validate), found.check(parallel.validate)]
+        if all(own):
+            found.check(_validate_shape, model, parallel)
+            found.check(_validate_experts, model, parallel)
+
+
+def _validate_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The model's shape against the tensor- and pipeline-parallel layout."""
     tp = parallel.tp
     require(model.num_attention_heads % tp == 0,
              f"parallel.tp ({tp}) must divide model.num_attention_heads "
@@ -392,7 +405,6 @@ def validate_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
         require(model.seq_length % tp == 0,
                  f"parallel.tp ({tp}) must divide model.seq_length ({model.seq_length}) "
                  "with sequence parallelism")
-    _validate_experts(model, parallel)
     if parallel.recompute is Recompute.FULL:
         per_chunk = model.num_layers // stages
         require(parallel.recompute_num_layers <= per_chunk,

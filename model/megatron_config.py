@@ -90,17 +90,28 @@ def transformer_config(
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
         **_moe_fields(model, te_linears),
-        bias_activation_fusion=fused and swiglu,
+        **fusion_fields(model, fused, bf16=bf16, te=te_available(), te_linears=te_linears,
+                        positions_per_token=positions_per_token),
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def fusion_fields(model: ModelConfig, fused: bool, bf16: bool, te: bool, te_linears: bool,
+                  positions_per_token: bool = False) -> dict:
+    """megatron's fusion flags (the rules in :func:`transformer_config`), from what decides
+    them rather than from this process's machine: ``fused``, ``model.megatron_fusions``
+    resolved; ``bf16``, the parameters' dtype; ``te``, Transformer Engine installed;
+    ``te_linears``, TE's linears in use. The dry run calls it for the GPU nodes it plans for."""
+    return dict(
+        bias_activation_fusion=fused and model.activation is Activation.SWIGLU,
         bias_dropout_fusion=fused,
         cross_entropy_loss_fusion=fused and bf16,
         cross_entropy_fusion_impl="native",
         masked_softmax_fusion=False,
         apply_rope_fusion=(fused and model.position_embedding is PositionEmbedding.ROPE
-                           and not positions_per_token)
-        and te_available(),
+                           and not positions_per_token and te),
         gradient_accumulation_fusion=fused and te_linears,
-        persist_layer_norm=False,
-        attention_softmax_in_fp32=True,
     )
 
 

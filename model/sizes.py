@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from model.builder import count_parameters
+from model.builder import count_parameters, model_parameter_parts
 from model.config import ModelConfig
 
 
@@ -60,3 +60,11 @@ def parameter_count(chunks) -> ParameterCount:
     return ParameterCount(total=count_parameters(chunks), routed=sum(
         p.numel() for p in routed.values()
         if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)))
+
+
+def whole_model_count(chunks) -> ParameterCount:
+    """The whole model's :class:`ParameterCount`, the same under every layout (each part summed
+    over the ranks that split it: ``model.builder.model_parameter_parts``). A collective:
+    every rank calls it."""
+    routed, dense = model_parameter_parts(chunks)
+    return ParameterCount(total=routed + dense, routed=routed)

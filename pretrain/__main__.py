@@ -61,9 +61,13 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
 
     if args.command == "train-tokenizer":
         from pretrain.data.tokenizer import train_tokenizer
+        from pretrain.data.tokenizer_summary import summarize
 
+        reading = Reading(args.text_field, args.plain_text)
         path = train_tokenizer(args.inputs, args.output, args.vocab_size, args.model_type,
-                               Reading(args.text_field, args.plain_text))
+                               reading)
+        for line in summarize(path, args.inputs, reading).lines():  # stderr: stdout the path
+            logging.getLogger("pretrain").info("%s", line)
         print(path)
         return 0
     if args.command == "prepare-data":
@@ -98,7 +102,8 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
     # eval reads a checkpoint of any layout: the run's own unless the command names one
     refit = args.command == "eval" and not any(o.startswith("--parallel.") for o in overrides)
     config = load_config(path, overrides, training=args.command == "train",
-                         world_size=world if launched and not refit else None)
+                         world_size=world if launched and not refit else None,
+                         reads_data=args.command in ("train", "eval"))
     if refit:
         from pretrain.config import fit_layout
 
@@ -106,11 +111,15 @@ def _run(args, overrides: list[str], stop: StopRequest | None) -> int:
         if note and launch_rank() == 0:
             logging.getLogger("pretrain").info(note)
     if planning:
-        from pretrain.report.dry_run import dry_run
+        from pretrain.report.dry_run import LayoutRefused, dry_run
         from pretrain.train.loop import check_before_start
 
         if launch_rank() == 0:  # under torchrun: one copy, not one per rank
-            print(dry_run(config), flush=True)
+            try:
+                print(dry_run(config), flush=True)
+            except LayoutRefused as refused:  # the plan up to the layout, then the error
+                print(refused.plan, flush=True)
+                raise
         # then every check a real start makes before its first step: the plan is shown even
         # where the data is not (a login node), and the exit status says whether a start
         # here would be refused

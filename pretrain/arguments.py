@@ -20,7 +20,7 @@ Lists: --data.prefixes=data/a,data/b (commas), or the key repeated
   (--data.prefixes=data/a --data.prefixes=data/b), or TOML (--data.prefixes='["data/a"]');
   --data.weights=0.3,0.7. Megatron-LM's weighted form ["0.3", "data/a", "0.7", "data/b"] is
   accepted too. Sections: model, parallel, optim, data, run, guard, logging, kernels,
-  diagnostics, eval; what a field means, with its type, default and allowed values:
+  diagnostics, eval, profiling; what a field means, with its type, default and allowed values:
   python -m pretrain explain optim.lr (a section's fields: explain optim); every field:
   docs/config.md.
 Without --config, train, eval and generate use the config.toml of the run folder named by
@@ -102,7 +102,10 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
             c.add_argument("--top-k", type=int, default=0, help="0: off")
             c.add_argument("--top-p", type=float, default=1.0, help="1: off")
-            c.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
+            c.add_argument("--seed", type=int, default=0,
+                           help="seeds the sampling: each prompt draws from its own generator, "
+                                "seeded with --seed and the prompt's place (the first is 0), so "
+                                "a command repeats its text and prompts draw independently")
     e = sub.add_parser("explain", help="what a config field means: its description, type, "
                                        "default and allowed values (all: docs/config.md)")
     e.add_argument("field", metavar="FIELD",

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from kernels.backend import NormBackend
 from model.config import ModelConfig, ParallelConfig, coerce_choices, require, validate_layout
 from pretrain.paths import require_creatable, require_file, require_folder
-from runtime.errors import ConfigError
+from runtime.errors import ConfigError, DataError, Findings, UserError
 
 
 class CompileBackend(StrEnum):
@@ -183,22 +183,35 @@ class ValidSet(NamedTuple):
 
 def valid_sets(data: DataConfig) -> list[ValidSet]:
     """data.valid_sets parsed; a malformed entry, a bad name or sample count, or a name used
-    twice is one ConfigError line naming the entry. Whether each prefix exists and holds its
-    samples is checked with the data (pretrain.data.checks.check_data)."""
-    found: list[ValidSet] = []
-    for entry in data.valid_sets:
-        one = _valid_set(entry, data)
-        require(one.name not in {s.name for s in found}, f"data.valid_sets names {one.name!r} "
-                "twice: each set needs its own name (its metrics are val/NAME/loss)")
-        found.append(one)
-    return found
+    twice is one ConfigError line naming the entry, each entry's its own. Whether each prefix
+    exists and holds its samples is checked with the data (pretrain.data.checks.check_data)."""
+    sets: list[ValidSet] = []
+    with Findings() as found:
+        for entry in data.valid_sets:
+            try:
+                one = _valid_set(entry, data)
+            except ConfigError as err:
+                found.add(err)
+                continue
+            if found.require(one.name not in {s.name for s in sets}, f"data.valid_sets names "
+                             f"{one.name!r} twice: each set needs its own name (its metrics "
+                             "are val/NAME/loss)"):
+                sets.append(one)
+    return sets
+
+
+def _entry_parts(entry: str) -> tuple[str, str, str, bool]:
+    """NAME, PREFIX and SAMPLES ("" when not given) of a data.valid_sets entry, as written,
+    and whether it has its '='."""
+    name, equals, rest = (part.strip() for part in entry.partition("="))
+    head, colon, tail = rest.rpartition(":")
+    prefix, count = (head.strip(), tail.strip()) if colon and "/" not in tail else (rest, "")
+    return name, prefix, count, bool(equals)
 
 
 def _valid_set(entry: str, d: DataConfig) -> ValidSet:
     where = f"data.valid_sets entry {entry!r}"
-    name, equals, rest = (part.strip() for part in entry.partition("="))
-    head, colon, tail = rest.rpartition(":")
-    prefix, count = (head.strip(), tail.strip()) if colon and "/" not in tail else (rest, "")
+    name, prefix, count, equals = _entry_parts(entry)
     require(bool(equals and prefix), f"{where} must look like {VALID_SET_FORM}")
     require(VALID_SET_NAME.fullmatch(name) is not None, f"{where}: NAME ({name!r}) must be "
             "letters, digits, _ or - (it names the metrics val/NAME/loss)")
@@ -408,6 +421,33 @@ class EvalConfig:
 
 
 @dataclass
+class ProfilingConfig:
+    """A torch.profiler trace of chosen steps and a CUDA memory snapshot on out-of-memory,
+    written to <run.dir>/profile (``pretrain/train/profiling.py``, docs/training.md)."""
+
+    first_step: int = 0
+    """The first step to trace, numbered as the console numbers steps (from 1); 0: no trace.
+    Megatron-LM's --profile-step-start."""
+    steps: int = 1
+    """Steps traced from first_step on, into one Chrome-trace file per rank:
+    <run.dir>/profile/rank<R>-step<FIRST>-<LAST>.pt.trace.json (Perfetto, TensorBoard)."""
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """The global ranks that trace (Megatron-LM's --profile-ranks)."""
+    record_shapes: bool = False
+    """Record each operator's input shapes (torch.profiler's record_shapes)."""
+    profile_memory: bool = False
+    """Record each operator's allocations and frees (torch.profiler's profile_memory)."""
+    with_stack: bool = False
+    """Record the Python source line of each operator (torch.profiler's with_stack; larger
+    traces, slower steps)."""
+    memory_snapshot: bool = False
+    """On a CUDA device, every rank records its allocator's history from the start
+    (torch.cuda.memory._record_memory_history), and a step that runs out of memory writes it
+    to <run.dir>/profile/rank<R>-oom-step<N>.pickle before the error ends the run (open it at
+    https://pytorch.org/memory_viz). Costs a little time per allocation. Nothing on the CPU."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -419,6 +459,7 @@ class Config:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
 
     @property
     def seq_length(self) -> int:
@@ -493,16 +534,26 @@ def _move_keys(raw: dict[str, Any]) -> None:
 
 
 def _build_section(name: str, cls: type, values: dict[str, Any]):
+    """The section ``name`` of class ``cls`` from its TOML values: every unknown or retired
+    key and every value of the wrong type is reported; the choices (which the class checks) once
+    those pass."""
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if f"{name}.{key}" in RETIRED_KEYS:
-            raise ConfigError(f"{name}.{key} ({values[key]!r}) is no longer a setting: "
-                              f"{RETIRED_KEYS[f'{name}.{key}']}")
-        if key not in known:
-            raise ConfigError(f"unknown config key {name}.{key}{_did_you_mean(key, known, name)}"
-                              f"; known keys: {', '.join(sorted(known))}")
-    checked = {k: _check_type(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
+    checked = {}
+    with Findings() as found:
+        for key, value in values.items():
+            if f"{name}.{key}" in RETIRED_KEYS:
+                found.add(ConfigError(f"{name}.{key} ({value!r}) is no longer a setting: "
+                                      f"{RETIRED_KEYS[f'{name}.{key}']}"))
+            elif key not in known:
+                found.add(ConfigError(f"unknown config key {name}.{key}"
+                                      f"{_did_you_mean(key, known, name)}; known keys: "
+                                      f"{', '.join(sorted(known))}"))
+            else:
+                try:
+                    checked[key] = _check_type(f"{name}.{key}", value, hints[key])
+                except ConfigError as err:
+                    found.add(err)
     return cls(**checked)
 
 
@@ -605,22 +656,31 @@ def read_toml(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def load_config(path: str | None, overrides: list[str] = (), training: bool = True,
-                world_size: int | None = None) -> Config:
+                world_size: int | None = None, reads_data: bool = False) -> Config:
     """The config of ``path`` with ``overrides``, validated here, once: ``training=False``
     (eval) leaves out the rules only a training run needs (its LR schedule); ``world_size``
-    (the launch's, for a command that builds process groups) adds the data-parallel rules."""
+    (the launch's, for a command that builds process groups) adds the data-parallel rules;
+    ``reads_data`` (a command that reads the tokenizer and the data next: train, eval) names
+    the missing ones too when the config is refused. Every mistake found is reported
+    (:func:`validate`)."""
     raw = read_toml(Path(path)) if path is not None else {}
     raw = apply_overrides(raw, list(overrides))
     _move_keys(raw)
     sections = {f.name: f for f in dataclasses.fields(Config)}
     built = {}
-    for name, values in raw.items():
-        if name not in sections:
-            raise ConfigError(f"unknown config section [{name}]{_did_you_mean(name, sections)}; "
-                              f"known sections: {', '.join(sections)}")
-        built[name] = _build_section(name, typing.get_type_hints(Config)[name], values)
+    with Findings() as found:  # every section's unknown keys, types and choices at once
+        for name, values in raw.items():
+            if name not in sections:
+                found.add(ConfigError(f"unknown config section [{name}]"
+                                      f"{_did_you_mean(name, sections)}; known sections: "
+                                      f"{', '.join(sections)}"))
+                continue
+            try:
+                built[name] = _build_section(name, typing.get_type_hints(Config)[name], values)
+            except ConfigError as err:
+                found.add(err)
     config = Config(**built)
-    validate(config, world_size=world_size, training=training)
+    validate(config, world_size=world_size, training=training, reads_data=reads_data)
     return config
 
 
@@ -647,7 +707,7 @@ def fit_layout(config: Config, world_size: int) -> tuple[Config, str | None]:
 FP32_MAX = 3.4028234663852886e38
 
 
-def _require_finite(config: Config) -> None:
+def _require_finite(config: Config, found: Findings) -> None:
     """Every float field of every section is a finite number (TOML and the command line both
     accept inf and nan)."""
     for section in dataclasses.fields(config):
@@ -655,119 +715,212 @@ def _require_finite(config: Config) -> None:
         for item in dataclasses.fields(values):
             value = getattr(values, item.name)
             if isinstance(value, float):
-                require(math.isfinite(value),
-                        f"{section.name}.{item.name} ({value}) must be a finite number")
+                found.require(math.isfinite(value),
+                              f"{section.name}.{item.name} ({value}) must be a finite number")
 
 
-def validate(config: Config, world_size: int | None = None, training: bool = True) -> None:
+def validate(config: Config, world_size: int | None = None, training: bool = True,
+             reads_data: bool = False) -> None:
     """Rules across sections; ``world_size`` adds the data-parallel rules; ``training``
-    the optimizer's and LR schedule's (evaluation needs neither)."""
-    _require_finite(config)
-    validate_layout(config.model, config.parallel)
-    o, d, r, lg = config.optim, config.data, config.run, config.logging
-    for name in ("steps", "log_interval", "eval_interval", "keep_last"):
+    the optimizer's and LR schedule's (evaluation needs neither).
+
+    Every rule runs, and every one broken is reported, one line each (a single one as the
+    ConfigError it always was; several as :class:`~runtime.errors.ConfigErrors`). What stays
+    sequential, because a rule reads what another checks: the finite numbers first (every
+    rule compares numbers); inside each of the model's, the layout's, the guard's and the
+    compile's groups of rules (``found.check``), the first failure ends that group; the
+    schedule after run.steps, the validation set after the batch sizes, the data-parallel
+    rules after the layout and the batch sizes, each only where those passed. With
+    ``reads_data``, a refused config also names the tokenizer and data files it names that do
+    not exist (:func:`missing_files`), which the command would refuse next."""
+    with Findings() as found:
+        _require_finite(config, found)
+    with Findings() as found:
+        layout = found.check(validate_layout, config.model, config.parallel)
+        steps = _validate_run(config.run, found)
+        found.check(_validate_guard, config.guard)
+        if training:  # neither applies to eval or the unsharded tools, on any world size
+            found.check(_validate_profiling, config.profiling, config.run.steps, world_size)
+            _validate_optim(config.optim, config.run.steps if steps else None, found)
+        batches = _validate_data(config, found)
+        _validate_eval(config.eval, found)
+        found.check(_validate_compile, config.kernels, config.parallel.recompute,
+                    config.model.attention_backend)
+        dg, lg = config.diagnostics, config.logging
+        found.require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
+        found.require(dg.spike_factor > 1,
+                      f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
+        found.require(dg.spike_window >= 1,
+                      f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
+        found.require(math.isfinite(lg.peak_tflops) and lg.peak_tflops >= 0,
+                      f"logging.peak_tflops ({lg.peak_tflops}) must be >= 0 (0: from the "
+                      "device name)")
+        if world_size is not None and layout and batches:
+            _validate_world(config, world_size, found)
+        if found.errors and reads_data:
+            for error in missing_files(config):
+                found.add(error)
+
+
+def _validate_run(r: RunConfig, found: Findings) -> bool:
+    """run's own ranges; whether run.steps is a step count the schedule can be checked with."""
+    steps = found.require(r.steps >= 1, f"run.steps ({r.steps}) must be >= 1")
+    for name in ("log_interval", "eval_interval", "keep_last"):
         value = getattr(r, name)
-        require(value >= 1, f"run.{name} ({value}) must be >= 1")
-    _validate_guard(config.guard)
-    require(0 <= r.seed < 2**31, f"run.seed ({r.seed}) must be in [0, 2**31)")
-    if training:
-        require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
-        require(0 <= o.min_lr <= o.lr, f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
-        require(0 <= o.warmup_steps < r.steps, f"optim.warmup_steps ({o.warmup_steps}) must "
-                f"be >= 0 and < run.steps ({r.steps})")
+        found.require(value >= 1, f"run.{name} ({value}) must be >= 1")
+    found.require(0 <= r.seed < 2**31, f"run.seed ({r.seed}) must be in [0, 2**31)")
+    found.check(require_creatable, r.dir, "run.dir")
+    found.require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
+    found.require(r.hang_timeout >= 0,
+                  f"run.hang_timeout ({r.hang_timeout}) must be >= 0 seconds (0: no watchdog)")
+    found.require(r.straggler_ratio > 1,
+                  f"run.straggler_ratio ({r.straggler_ratio}) must be > 1")
+    return steps
+
+
+def _validate_optim(o: OptimConfig, steps: int | None, found: Findings) -> None:
+    """The optimizer's and the schedule's rules; the schedule's only with a valid run.steps
+    (``steps``), min_lr only with a valid lr, the first step's size only with both lr and
+    beta1 valid."""
+    lr = found.require(o.lr > 0, f"optim.lr ({o.lr}) must be > 0")
+    if lr:
+        found.require(0 <= o.min_lr <= o.lr,
+                      f"optim.min_lr ({o.min_lr}) must be in [0, optim.lr]")
+    if steps is not None and found.require(
+            0 <= o.warmup_steps < steps, f"optim.warmup_steps ({o.warmup_steps}) must be >= 0 "
+            f"and < run.steps ({steps})"):
         if o.decay_style is DecayStyle.WSD:
-            decaying = r.steps - o.warmup_steps
-            require(0 < o.wsd_decay_steps <= decaying, f"optim.wsd_decay_steps "
-                    f"({o.wsd_decay_steps}) must be in [1, run.steps - optim.warmup_steps = "
-                    f"{decaying}] with optim.decay_style wsd")
-        else:
-            require(o.wsd_decay_steps == 0, f"optim.wsd_decay_steps ({o.wsd_decay_steps}) "
-                    f"applies only to optim.decay_style wsd, not {o.decay_style}; set it to 0")
-        require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
-        require(o.weight_decay >= 0, f"optim.weight_decay ({o.weight_decay}) must be >= 0")
-        require(o.eps > 0, f"optim.eps ({o.eps}) must be > 0")
-        for name in ("beta1", "beta2"):
-            value = getattr(o, name)
-            require(0 <= value < 1, f"optim.{name} ({value}) must be in [0, 1)")
+            decaying = steps - o.warmup_steps
+            found.require(0 < o.wsd_decay_steps <= decaying, f"optim.wsd_decay_steps "
+                          f"({o.wsd_decay_steps}) must be in [1, run.steps - "
+                          f"optim.warmup_steps = {decaying}] with optim.decay_style wsd")
+    if o.decay_style is not DecayStyle.WSD:
+        found.require(o.wsd_decay_steps == 0, f"optim.wsd_decay_steps ({o.wsd_decay_steps}) "
+                      f"applies only to optim.decay_style wsd, not {o.decay_style}; set it to 0")
+    found.require(o.clip_grad >= 0, f"optim.clip_grad ({o.clip_grad}) must be >= 0")
+    found.require(o.weight_decay >= 0, f"optim.weight_decay ({o.weight_decay}) must be >= 0")
+    found.require(o.eps > 0, f"optim.eps ({o.eps}) must be > 0")
+    betas = [found.require(0 <= getattr(o, name) < 1,
+                           f"optim.{name} ({getattr(o, name)}) must be in [0, 1)")
+             for name in ("beta1", "beta2")]
+    if lr and betas[0]:
         first_step = o.lr / (1 - o.beta1)  # Adam's bias-corrected step size at step 1
-        require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be < "
-                f"{FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
+        found.require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be "
+                      f"< {FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
+
+
+def _validate_data(config: Config, found: Findings) -> bool:
+    """data's rules; whether both batch sizes are >= 1 (the validation sets' rules, and the
+    data-parallel ones, divide by them and run only then)."""
+    d = config.data
     if d.cache_dir:
-        require_creatable(d.cache_dir, "data.cache_dir")
-    require_creatable(r.dir, "run.dir")
+        found.check(require_creatable, d.cache_dir, "data.cache_dir")
     for prefix in d.prefixes:
-        require(not prefix.endswith((".bin", ".idx")),
-                 f"data.prefixes entry '{prefix}' names a file; give the dataset prefix without "
-                 f".bin/.idx ('{prefix[:-4]}')")
-    for name in ("micro_batch_size", "global_batch_size"):
-        value = getattr(d, name)
-        require(value >= 1, f"data.{name} ({value}) must be >= 1")
-    require(d.valid_samples >= 0,
-            f"data.valid_samples ({d.valid_samples}) must be >= 0 (0: no validation)")
-    require(d.valid_samples % d.global_batch_size == 0,
-            f"data.valid_samples ({d.valid_samples}) must be a multiple of "
-            f"data.global_batch_size ({d.global_batch_size}): an evaluation is whole batches")
-    valid_sets(d)
-    require(0 <= d.seq_length <= config.model.seq_length,
-             f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
-             f"({config.model.seq_length})")
-    require(not d.weights or len(d.weights) == len(d.prefixes),
-             f"data.weights has {len(d.weights)} entries but data.prefixes has "
-             f"{len(d.prefixes)}")
-    require(all(w > 0 for w in d.weights), f"data.weights ({d.weights}) must all be > 0")
-    require(not (d.document_attention and config.model.attention_backend == "te"),
-            "data.document_attention needs model.attention_backend sdpa or local (te's packed "
-            "format is not wired in): set --model.attention_backend=sdpa")
+        found.require(not prefix.endswith((".bin", ".idx")),
+                      f"data.prefixes entry '{prefix}' names a file; give the dataset prefix "
+                      f"without .bin/.idx ('{prefix[:-4]}')")
+    batches = all([found.require(getattr(d, name) >= 1,
+                                 f"data.{name} ({getattr(d, name)}) must be >= 1")
+                   for name in ("micro_batch_size", "global_batch_size")])
+    if found.require(d.valid_samples >= 0, f"data.valid_samples ({d.valid_samples}) must be "
+                     ">= 0 (0: no validation)") and batches:
+        found.require(d.valid_samples % d.global_batch_size == 0,
+                      f"data.valid_samples ({d.valid_samples}) must be a multiple of "
+                      f"data.global_batch_size ({d.global_batch_size}): an evaluation is "
+                      "whole batches")
+    if batches:
+        found.check(valid_sets, d)
+    found.require(0 <= d.seq_length <= config.model.seq_length,
+                  f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
+                  f"({config.model.seq_length})")
+    found.require(not d.weights or len(d.weights) == len(d.prefixes),
+                  f"data.weights has {len(d.weights)} entries but data.prefixes has "
+                  f"{len(d.prefixes)}")
+    found.require(all(w > 0 for w in d.weights), f"data.weights ({d.weights}) must all be > 0")
+    found.require(not (d.document_attention and config.model.attention_backend == "te"),
+                  "data.document_attention needs model.attention_backend sdpa or local (te's "
+                  "packed format is not wired in): set --model.attention_backend=sdpa")
     parts = d.split.split(",")
-    require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
-             and sum(float(p) for p in parts) > 0,
-             f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
-    require(r.save_interval >= 0, f"run.save_interval ({r.save_interval}) must be >= 0")
-    require(r.hang_timeout >= 0,
-            f"run.hang_timeout ({r.hang_timeout}) must be >= 0 seconds (0: no watchdog)")
-    require(r.straggler_ratio > 1, f"run.straggler_ratio ({r.straggler_ratio}) must be > 1")
-    ev = config.eval
+    found.require(len(parts) == 3 and all(p.strip().replace(".", "", 1).isdigit() for p in parts)
+                  and sum(float(p) for p in parts) > 0,
+                  f"data.split ({d.split!r}) must be three non-negative numbers like '98,2,0'")
+    return batches
+
+
+def _validate_eval(ev: EvalConfig, found: Findings) -> None:
     for name in ("downstream_interval", "downstream_limit", "num_fewshot"):
         value = getattr(ev, name)
-        require(value >= 0, f"eval.{name} ({value}) must be >= 0")
+        found.require(value >= 0, f"eval.{name} ({value}) must be >= 0")
     if ev.include_path:
-        require_folder(ev.include_path, "eval.include_path")
-    _validate_compile(config.kernels, config.parallel.recompute)
-    dg = config.diagnostics
-    require(dg.interval >= 0, f"diagnostics.interval ({dg.interval}) must be >= 0")
-    require(dg.spike_factor > 1, f"diagnostics.spike_factor ({dg.spike_factor}) must be > 1")
-    require(dg.spike_window >= 1, f"diagnostics.spike_window ({dg.spike_window}) must be >= 1")
-    require(math.isfinite(lg.peak_tflops) and lg.peak_tflops >= 0,
-             f"logging.peak_tflops ({lg.peak_tflops}) must be >= 0 (0: from the device name)")
-    if world_size is not None:
-        model_parallel = config.parallel.tp * config.parallel.pp
-        require(world_size % model_parallel == 0,
-                 f"world size ({world_size}) must be divisible by parallel.tp x parallel.pp "
-                 f"({model_parallel})")
-        p = config.parallel
-        expert_parallel = p.expert_tp * p.ep * p.pp
-        # megatron lays its expert groups (etp x ep x pp, the rest expert data parallel) over
-        # the same ranks as the dense ones and refuses a world they do not tile.
-        require(world_size % expert_parallel == 0,
-                f"world size ({world_size}) must be divisible by parallel.etp x parallel.ep x "
-                f"parallel.pp ({p.expert_tp} x {p.ep} x {p.pp} = {expert_parallel})")
-        dp = world_size // model_parallel
-        step = d.micro_batch_size * dp
-        require(d.global_batch_size % step == 0,
-                 f"data.global_batch_size ({d.global_batch_size}) must be divisible by "
-                 f"data.micro_batch_size x data-parallel size ({d.micro_batch_size} x {dp})")
-        if config.parallel.vp is not None:
-            micro = d.global_batch_size // step
-            require(micro % config.parallel.pp == 0 and micro > config.parallel.pp,
-                     f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
-                     f"({config.parallel.pp}) and larger than it with virtual pipelining")
+        found.check(require_folder, ev.include_path, "eval.include_path")
 
 
-def _validate_compile(k: KernelsConfig, recompute: str) -> None:
+def _validate_world(config: Config, world_size: int, found: Findings) -> None:
+    """The data-parallel rules of ``world_size`` processes (a valid layout and batch sizes
+    given). Whole model replicas first: the rest only where they pass (the expert groups'
+    product shares pp and, by default, tp with the replica's: one cause, one line); the
+    virtual pipeline's micro-batches only where a step is whole micro-batches."""
+    p, d = config.parallel, config.data
+    model_parallel = p.tp * p.pp
+    if not found.require(world_size % model_parallel == 0,
+                         f"world size ({world_size}) must be divisible by parallel.tp x "
+                         f"parallel.pp ({model_parallel})"):
+        return
+    expert_parallel = p.expert_tp * p.ep * p.pp
+    # megatron lays its expert groups (etp x ep x pp, the rest expert data parallel) over
+    # the same ranks as the dense ones and refuses a world they do not tile.
+    found.require(world_size % expert_parallel == 0,
+                  f"world size ({world_size}) must be divisible by parallel.etp x parallel.ep x "
+                  f"parallel.pp ({p.expert_tp} x {p.ep} x {p.pp} = {expert_parallel})")
+    dp = world_size // model_parallel
+    step = d.micro_batch_size * dp
+    whole = found.require(d.global_batch_size % step == 0,
+                          f"data.global_batch_size ({d.global_batch_size}) must be divisible by "
+                          f"data.micro_batch_size x data-parallel size ({d.micro_batch_size} x "
+                          f"{dp})")
+    if whole and p.vp is not None:
+        micro = d.global_batch_size // step
+        found.require(micro % p.pp == 0 and micro > p.pp,
+                      f"micro-batches per step ({micro}) must be a multiple of parallel.pp "
+                      f"({p.pp}) and larger than it with virtual pipelining")
+
+
+def missing_files(config: Config) -> list[UserError]:
+    """The files train and eval read that do not exist (the tokenizer, each data prefix's and
+    each further validation set's .bin), each worded as their data checks
+    (``pretrain.data.checks``) word it. Only added to a config refused for other reasons:
+    alone, a missing file is refused by those checks, after a dry run's plan (which a login
+    node without the data may ask for)."""
+    wanted = []
+    if config.data.tokenizer:
+        wanted.append((config.data.tokenizer, "tokenizer", ""))
+    wanted += [(prefix + ".bin", "data file", "") for prefix in config.data.prefixes]
+    for entry in config.data.valid_sets:  # its SAMPLES and NAME may be refused by the rules
+        name, prefix, _, equals = _entry_parts(entry)
+        if equals and prefix and not prefix.endswith((".bin", ".idx")):
+            wanted.append((prefix + ".bin", "data file", f"data.valid_sets '{name}': "))
+    found = []
+    for path, what, where in wanted:
+        if not Path(path).exists():
+            try:
+                require_file(path, what, DataError)
+            except DataError as err:
+                found.append(DataError(f"{where}{err}"))
+    return found
+
+
+def _validate_compile(k: KernelsConfig, recompute: str, attention: str) -> None:
     require(not (k.compile and recompute == "selective"),
             "kernels.compile (true) and parallel.recompute (selective) do not compose: "
             "megatron's checkpoint of core attention saves and restores the RNG state inside "
             "the block, which breaks its graph; use parallel.recompute full or none")
+    # megatron's DotProductAttention forks the RNG tracker around its dropout (a state saved
+    # and restored) and reads a tensor's value on the host: several breaks in every block.
+    require(not (k.compile and attention == "local"),
+            "kernels.compile (true) and model.attention_backend (local) do not compose: "
+            "megatron's DotProductAttention forks the RNG tracker for its dropout and reads a "
+            "value on the host, which break every block's graph; use model.attention_backend "
+            "sdpa (or auto), or kernels.compile false")
     if k.cuda_graphs:
         require(k.compile, "kernels.cuda_graphs (true) needs kernels.compile true: the graphs "
                 "are captured around the compiled blocks")
@@ -784,6 +937,22 @@ def _validate_guard(g: GuardConfig) -> None:
     require(2 <= g.warmup <= g.window, f"guard.warmup ({g.warmup}) must be in [2, guard.window "
             f"({g.window})]: the spike rule needs a mean and a standard deviation")
     require(g.max_rollbacks >= 0, f"guard.max_rollbacks ({g.max_rollbacks}) must be >= 0")
+
+
+def _validate_profiling(p: ProfilingConfig, steps: int, world_size: int | None) -> None:
+    require(p.first_step >= 0, f"profiling.first_step ({p.first_step}) must be >= 0 (0: no "
+            "trace)")
+    require(p.steps >= 1, f"profiling.steps ({p.steps}) must be >= 1")
+    last = p.first_step + p.steps - 1
+    require(not p.first_step or last <= steps, f"profiling.first_step + profiling.steps - 1 "
+            f"({p.first_step} + {p.steps} - 1 = {last}) must be <= run.steps ({steps}): the "
+            "traced steps must be steps of the run")
+    require(not p.first_step or bool(p.ranks), "profiling.ranks ([]) must name at least one "
+            "rank to trace with profiling.first_step set")
+    for rank in p.ranks if p.first_step else ():
+        require(rank >= 0, f"profiling.ranks entry {rank} must be >= 0 (a global rank)")
+        require(world_size is None or rank < world_size, f"profiling.ranks entry {rank} must "
+                f"be < the world size ({world_size})")
 
 
 def changed_settings(before: dict[str, dict], after: dict[str, dict]) -> dict[str, list]:

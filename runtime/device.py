@@ -9,18 +9,27 @@ CUDA, gloo without), so a collective's tensors always live where its backend exp
 To run on the CPU on a machine that has GPUs (a gloo test with more ranks than GPUs, say),
 hide the GPUs from the process before it starts: ``CUDA_VISIBLE_DEVICES=""``. Then this
 machine looks exactly like a CPU machine to torch, megatron and Triton alike.
+
+torch is imported by each function, not by this module: the config's checks ask here whether
+Transformer Engine or CUDA can be used (``model.backends``, ``kernels.backend``), and loading
+a config must not cost torch's import (a second or more), so that a mistake in it is said at
+once.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def uses_cuda() -> bool:
     """True when this process computes on a GPU."""
+    import torch
+
     return torch.cuda.is_available()
 
 
@@ -34,6 +43,8 @@ def select() -> torch.device:
     With CUDA, the GPU is LOCAL_RANK: launching more ranks per node than it has visible GPUs is
     an error here rather than two NCCL ranks on one GPU, which NCCL refuses later, less clearly.
     """
+    import torch
+
     if not uses_cuda():
         return torch.device("cpu")
     rank, count = local_rank(), torch.cuda.device_count()
@@ -48,6 +59,8 @@ def select() -> torch.device:
 
 def compute_device() -> torch.device:
     """The device this process's model, batches and collectives live on."""
+    import torch
+
     if uses_cuda():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -60,11 +73,15 @@ def distributed_backend() -> str:
 
 def device_name() -> str:
     """The accelerator's marketing name (e.g. "NVIDIA H100 80GB HBM3"), or "cpu"."""
+    import torch
+
     return torch.cuda.get_device_name(compute_device()) if uses_cuda() else "cpu"
 
 
 def peak_memory_gib() -> float | None:
     """Peak memory allocated on this process's GPU so far, in GiB (None on the CPU)."""
+    import torch
+
     if not uses_cuda():
         return None
     return torch.cuda.max_memory_allocated(compute_device()) / 2**30
@@ -84,6 +101,8 @@ def make_deterministic() -> None:
     Engine, if used, is told the same. On the CPU, where runs are deterministic already, it
     only enables torch's checks.
     """
+    import torch
+
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("NCCL_ALGO", "Ring")
     os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"

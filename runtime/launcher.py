@@ -10,6 +10,8 @@ import socket
 import sys
 import time
 
+from runtime.errors import error_lines
+
 # What torchrun (and launchers like it) set for one process of their group: to join it, and
 # where to report its failure.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -41,8 +43,9 @@ def report_error(message: str) -> None:
     writes it to the error file torchrun gives it (``TORCHELASTIC_ERROR_FILE``), where
     torchrun's failure report shows it, and only rank 0 prints it; ``launch/torchrun_main.py``
     prints it where rank 0 did not (a mistake only another rank met). A process without such
-    a file prints it."""
-    line = f"error: {message}"
+    a file prints it. A message of several lines (several config errors) is one ``error:``
+    line each."""
+    line = error_lines(message)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # torchrun's own format (torch.distributed.elastic's ErrorHandler)
         stamp = str(int(time.time()))

@@ -33,6 +33,7 @@ import torch
 from model.config import ModelConfig
 from model.init import local_tensors
 from model.schemes import SCHEME_FIELDS
+from model.sizes import ParameterCount
 from pretrain.config import Config
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
@@ -329,7 +330,10 @@ def write_folder(model: ModelConfig, chunk: torch.nn.Module, tokenizer_path: str
         {"eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad
          if tokenizer.pad >= 0 else None}, indent=2))
     write_tokenizer(tokenizer_path, tokenizer, output)
-    write_readme(model.residual_scheme.value, hf_llama.is_llama(model), output)
+    sizes = ParameterCount(total=sum(t.numel() for t in tensors.values()),
+                           routed=sum(t.numel() for name, t in tensors.items()
+                                      if ".experts.local_experts." in name))
+    write_readme(model, hf_llama.is_llama(model), sizes, output)
     return len(tensors)
 
 

@@ -8,17 +8,20 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import NormBackend
+from model.backends import AttentionBackend, MegatronFusions, TransformerImpl, resolve_fusions
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
-from model.megatron_config import transformer_config
-from model.schemes import FinalNorm, PositionEmbedding, Recompute
+from model.megatron_config import fusion_fields
+from model.schemes import Activation, FinalNorm, PositionEmbedding, Recompute
 from model.sizes import ParameterCount
 from model.sizes import parameter_count as model_parameter_count
-from pretrain.config import Config, to_toml, validate
+from pretrain.config import Config, ParamsDtype, to_toml, validate
 from pretrain.report.expert_activations import expert_bytes, mlp_values
+from pretrain.report.model_summary import expert_layout_text
 from pretrain.report.throughput import flops_per_token
 from pretrain.report.units import count, human
 from runtime import cpu_compat, parallel
+from runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -33,13 +36,41 @@ class Fusions:
     rope: bool = False
 
     @classmethod
-    def of(cls, config: Config) -> Fusions:
-        """The fusions a run of ``config`` uses, read from the megatron config it builds, so the
-        estimate follows when they are switched on."""
-        tc = transformer_config(config.model, config.parallel,
-                                positions_per_token=config.data.reset_position_ids)
-        return cls(activation=tc.bias_activation_fusion,
-                   cross_entropy=tc.cross_entropy_loss_fusion, rope=tc.apply_rope_fusion)
+    def planned(cls, config: Config) -> Fusions:
+        """The fusions a run of ``config`` uses on the GPU nodes a dry run plans for, by the
+        rule that sets megatron's flags (``model.megatron_config.fusion_fields``), with what
+        the config leaves to the machine resolved as on those nodes rather than on the one the
+        dry run runs on (a login node without CUDA would plan a run without fusions):
+        ``megatron_fusions`` auto is on, ``run.params_dtype`` auto bf16. Transformer Engine
+        (RoPE's fusion is its) is counted only where the config asks for it (``te`` linears
+        or attention): whether the nodes have it cannot be read from here, and the estimate
+        counts megatron's own modules."""
+        m = config.model
+        te = m.transformer_impl is TransformerImpl.TE or m.attention_backend is AttentionBackend.TE
+        flags = fusion_fields(m, resolve_fusions(m.megatron_fusions, cuda=True),
+                              bf16=config.run.params_dtype is not ParamsDtype.FP32, te=te,
+                              te_linears=m.transformer_impl is TransformerImpl.TE,
+                              positions_per_token=config.data.reset_position_ids)
+        return cls(activation=flags["bias_activation_fusion"],
+                   cross_entropy=flags["cross_entropy_loss_fusion"],
+                   rope=flags["apply_rope_fusion"])
+
+    def line(self, config: Config) -> str:
+        """The dry run's line saying which fusions its activation estimate counted."""
+        m = config.model
+        choice = m.megatron_fusions
+        rope = m.position_embedding is PositionEmbedding.ROPE
+        applies = {"SwiGLU": (self.activation, m.activation is Activation.SWIGLU),
+                   "cross entropy": (self.cross_entropy, True), "RoPE": (self.rope, rope)}
+        fused = [name for name, (on, used) in applies.items() if used and on]
+        unfused = [name for name, (on, used) in applies.items() if used and not on]
+        words = [f"fused {' and '.join(fused)}"] if fused else []
+        words += [f"unfused {' and '.join(unfused)}"] if unfused else []
+        note = (" (Transformer Engine's fusion: counted with te linears or attention "
+                "only)" if resolve_fusions(choice, cuda=True) and rope and not self.rope else "")
+        setting = "auto: on, as on the GPU nodes" if choice is MegatronFusions.AUTO else choice
+        return (f"megatron fusions counted (model.megatron_fusions {setting}): "
+                f"{', '.join(words)}{note}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +135,7 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     """Activation memory of the busiest GPU in one step, in bytes: what forward keeps for
     backward, tensor by tensor, on the GPU path (megatron's local linears, SDPA flash attention,
     the fused Triton norms; Transformer Engine's modules and the torch norm backend keep other
-    tensors). ``fusions``: the run's own (:meth:`Fusions.of`) unless given.
+    tensors). ``fusions``: those of the GPU run planned (:meth:`Fusions.planned`) unless given.
 
     Per token and layer, in values of the activation dtype (w bytes each), with h the hidden
     size, a heads, g K/V groups, kv = g x head_dim, f the MLP width and n the residual streams
@@ -183,7 +214,7 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     """
     m, p, d = config.model, config.parallel, config.data
     if fusions is None:
-        fusions = Fusions.of(config)
+        fusions = Fusions.planned(config)
     h = m.hidden_size
     tokens = config.seq_length * d.micro_batch_size
     width = 2 if config.run.params_dtype != "fp32" else 4
@@ -253,18 +284,55 @@ REFERENCE_HINT = ("# what each field means: python -m pretrain explain SECTION.K
                   "(e.g. optim.lr); every field: docs/config.md")
 
 
+class LayoutRefused(ConfigError):
+    """A world size the config's layout cannot take. ``plan``: the part of the dry run's
+    report that holds without a world size (the config, sizes, tokens and FLOPs, and the world
+    sizes the layout takes), which the dry run prints before the error's one line."""
+
+    def __init__(self, message: str, plan: str):
+        super().__init__(message)
+        self.plan = plan
+
+
+def world_sizes(config: Config, limit: int = 8) -> list[int]:
+    """The ``limit`` smallest world sizes ``config`` takes: tp x pp x dp for each data-parallel
+    size dp that splits the global batch into whole micro-batches, kept where
+    :func:`pretrain.config.validate` accepts it (the expert groups, virtual pipelining)."""
+    p, d = config.parallel, config.data
+    found = []
+    for dp in range(1, d.global_batch_size // d.micro_batch_size + 1):
+        if d.global_batch_size % (d.micro_batch_size * dp) == 0:
+            try:
+                validate(config, world_size=p.tp * p.pp * dp)
+            except ConfigError:
+                continue
+            found.append(p.tp * p.pp * dp)
+            if len(found) == limit:
+                break
+    return found
+
+
+def _layout_needs(config: Config, world: int) -> str:
+    """The layout line of a world size the config cannot take: what one model replica spans
+    and the world sizes that fit."""
+    p = config.parallel
+    replica = f"tp {p.tp} x pp {p.pp}" + (f" (experts: etp {p.expert_tp} x ep {p.ep} x pp "
+                                          f"{p.pp})" if config.model.num_experts else "")
+    fits = world_sizes(config, limit=9)  # eight shown; a ninth says the list goes on
+    takes = (f"world sizes it takes: {', '.join(map(str, fits[:8]))}"
+             + (", ..." if len(fits) > 8 else "") if fits else "no world size fits it")
+    return f"layout: {replica}; world {world} does not fit it (below); {takes}"
+
+
 def dry_run(config: Config, world_size: int | None = None) -> str:
-    """World size: ``world_size``, else $WORLD_SIZE, else one data-parallel replica."""
+    """World size: ``world_size``, else $WORLD_SIZE, else one data-parallel replica. A world
+    size the layout cannot take raises :class:`LayoutRefused`, with the plan up to the
+    layout."""
     p, d, m = config.parallel, config.data, config.model
     world = world_size or int(os.environ.get("WORLD_SIZE", p.tp * p.pp))
-    validate(config, world_size=world)
     params = parameter_count(m, config.run.seed)
-    dp = world // (p.tp * p.pp)
     tokens_per_step = d.global_batch_size * config.seq_length
-    weights_gb = state_bytes_per_gpu(config, params, world) / 2**30
-    activations_gb = activation_bytes(config, dp) / 2**30
     sizes = f"parameters: {params.total:,} ({human(params.total)})"
-    experts = ""
     if m.num_experts:
         active = params.active(m)
         sizes += (f"; active per token: {active:,} ({human(active)}): top-{m.moe_router_topk} "
@@ -272,26 +340,35 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
                   + (" and the shared expert" if m.moe_shared_expert_intermediate_size else "")
                   + f" in {count(sum(m.moe_blocks), 'MoE block')}; routed experts "
                   f"{params.routed:,} ({human(params.routed)})")
-        expert_group = p.expert_tp * p.ep * p.pp
-        experts = (f"; experts: ep {p.ep} x etp {p.expert_tp} x pp {p.pp} x expert dp "
-                   f"{world // expert_group}")
+    head = [REFERENCE_HINT, to_toml(config).rstrip(), "", sizes]
+    steps = [
+        f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "
+        f"total tokens: {human(tokens_per_step * config.run.steps)}",
+        f"model FLOPs per token (forward + backward, Megatron-LM's formula): "
+        f"{flops_per_token(config) / 1e9:.2f} GFLOP; per step: "
+        f"{flops_per_token(config) * tokens_per_step / 1e12:,.1f} TFLOP",
+    ]
+    try:
+        validate(config, world_size=world)
+    except ConfigError as err:
+        raise LayoutRefused(str(err), "\n".join([*head, *steps, _layout_needs(config, world)])) \
+            from None
+    dp = world // (p.tp * p.pp)
+    weights_gb = state_bytes_per_gpu(config, params, world) / 2**30
+    fusions = Fusions.planned(config)
+    activations_gb = activation_bytes(config, dp, fusions) / 2**30
+    experts = expert_layout_text(m, p, world)
     lines = [
-        REFERENCE_HINT,
-        to_toml(config).rstrip(),
-        "",
-        sizes,
+        *head,
         f"layout: world {world} = tp {p.tp} x pp {p.pp} x dp {dp}"
         + (f", {p.vp} virtual stages per pipeline rank" if p.vp else "")
         + (", sequence parallel" if p.sequence_parallel else "")
         + f", recompute {p.recompute}" + experts,
         f"micro-batches per step: {d.global_batch_size // (d.micro_batch_size * dp)} "
         f"of {count(d.micro_batch_size, 'sequence')} per data-parallel rank",
-        f"tokens per step: {tokens_per_step:,}; steps: {config.run.steps:,}; "
-        f"total tokens: {human(tokens_per_step * config.run.steps)}",
-        f"model FLOPs per token (forward + backward, Megatron-LM's formula): "
-        f"{flops_per_token(config) / 1e9:.2f} GFLOP; per step: "
-        f"{flops_per_token(config) * tokens_per_step / 1e12:,.1f} TFLOP",
+        *steps,
         f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB",
+        fusions.line(config),
         f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
         f"total about {weights_gb + activations_gb:.1f} GiB",
     ]

@@ -100,14 +100,17 @@ class MetricsLogger:
              or getattr(self.wandb_run, "entity", "") or ""}) + "\n")
         log.info("W&B run %s (%s) in %s", run_id, w.mode.value, self.wandb_run.dir)
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, wandb_only: dict | None = None) -> None:
+        """``record`` to metrics.jsonl and W&B; ``wandb_only`` (many numbers a W&B chart
+        reads well and a jsonl line does not, such as every expert's load) to W&B alone, in
+        the same row."""
         if not self.active:
             return
         with self.path.open("a") as f:
             f.write(strict_json(record) + "\n")
         if self.wandb_run is not None and self._to_wandb(record["step"]):
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"},
-                               step=record["step"])
+            self.wandb_run.log({**{k: v for k, v in record.items() if k != "step"},
+                                **(wandb_only or {})}, step=record["step"])
 
     def _to_wandb(self, step: int) -> bool:
         """Whether a record of ``step`` goes to W&B: a step above the last it holds, or that

@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from pretrain.report.expert_load import LOAD_KEY, collapse_load
+from pretrain.report.expert_load import LOAD_KEY, imbalance_load
 from pretrain.report.run_info import RunInfo
 from pretrain.report.series import RunMetrics
 
@@ -228,18 +228,18 @@ def _downstream(metrics: RunMetrics) -> Figure | None:
     return Figure("downstream", "Downstream scores", tuple(plots))
 
 
-def _collapse_level(info: RunInfo) -> tuple[float, str] | None:
-    """The max load above which the training loop calls a router collapsed, from the run's
+def _imbalance_level(info: RunInfo) -> tuple[float, str] | None:
+    """The max load above which the training loop calls a router imbalanced, from the run's
     experts and top-k; None when its config does not say them."""
     experts, topk = info.config.get("model.num_experts"), info.config.get("model.moe_router_topk")
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (experts, topk)):
         return None
-    return collapse_load(experts, topk), "collapse level"
+    return imbalance_load(experts, topk), "imbalance level"
 
 
 def _experts(metrics: RunMetrics, info: RunInfo) -> Figure | None:
     """A mixture-of-experts run's routers: each MoE block's busiest expert against the level
-    above which it counts as collapsed (``pretrain.report.expert_load``), the least-loaded
+    above which it counts as imbalanced (``pretrain.report.expert_load``), the least-loaded
     expert, the share dropped by a capacity factor, and the balancing and z losses."""
     blocks = sorted((int(m.group(1)), key) for key in metrics.keys("moe_load/")
                     if (m := LOAD_KEY.match(key)))
@@ -247,7 +247,7 @@ def _experts(metrics: RunMetrics, info: RunInfo) -> Figure | None:
     if blocks:
         plots.append(Plot("busiest expert of each MoE block", "max / mean tokens per expert",
                           tuple(Curve(key, f"block {block}") for block, key in blocks),
-                          by_depth=True, threshold=_collapse_level(info)))
+                          by_depth=True, threshold=_imbalance_level(info)))
     for key, title, ylabel, curve, scale in (
             ("moe_min_load", "least-loaded expert (every MoE block)",
              "min / mean tokens per expert", "lowest of any block", 1.0),

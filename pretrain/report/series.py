@@ -86,7 +86,7 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def _records(path: Path, what: str):
+def read_records(path: Path, what: str):
     """(line number, object) of every non-blank line; any other line is a DataError naming
     the file, the line and the rule, except a last line without its newline that is not JSON:
     a write a crash cut short (the state a crashed run leaves, which is when a report is most
@@ -119,7 +119,7 @@ def read_metrics(path: Path) -> RunMetrics:
     """The curves and rollbacks of a metrics.jsonl (last record of each step wins, per key)."""
     by_key: dict[str, dict[int, float]] = {}
     rollbacks: list[Rollback] = []
-    for _, record in _records(path, "metrics file"):
+    for _, record in read_records(path, "metrics file"):
         step = record["step"]
         for key, value in record.items():
             number = _number(value)
@@ -142,7 +142,7 @@ def read_settings_changes(path: Path) -> list[SettingsChange]:
     if not path.is_file():
         return []
     out = []
-    for number, record in _records(path, "settings file"):
+    for number, record in read_records(path, "settings file"):
         changes = record.get("changes")
         if not isinstance(changes, dict) or not all(
                 isinstance(v, list) and len(v) == 2 for v in changes.values()):

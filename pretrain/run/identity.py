@@ -37,11 +37,16 @@ from runtime.weights import LOAD_ERRORS
 log = logging.getLogger("pretrain")
 
 # Model fields that may change between a checkpoint and the run loading it: how the same
-# function is computed (kernels, attention), regularisation, and initialisation (unused when
-# weights are loaded). Every other model field shapes a tensor or changes the function.
+# function is computed (kernels, attention), regularisation, the routers' training signals
+# (the weights of the balancing and z losses and the step of the loss-free expert bias: each
+# steers training and shapes no tensor; a resume is how a run that stays imbalanced gets a
+# stronger balancing loss, as Megatron-LM allows), and initialisation (unused when weights are
+# loaded). Every other model field shapes a tensor or changes the function. A resume records
+# each change with the run's other settings changes (settings_changes.jsonl).
 CHANGEABLE_MODEL_FIELDS = frozenset({
     "attention_backend", "transformer_impl", "megatron_fusions", "hidden_dropout",
     "attention_dropout", "init_method_std", "init",
+    "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate",
 })
 # What HybridNorm*'s block 0 was before model.hybrid_first_block: a gated attention input with
 # its own input norm and no MLP norm on x. No version builds it now; its checkpoints are

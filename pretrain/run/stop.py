@@ -14,14 +14,24 @@ terminal sends Ctrl-C to every process of the foreground group and torchrun rela
 ranks as well, so a rank may see one press twice: a SIGINT within :data:`SAME_PRESS_S` of the
 first is that same press. A forked child (megatron's checkpoint writer) inherits the handler
 and ignores the signals: its parent decides, and ends it if need be.
+
+The presses are timed where they arrive, not in the Python handler: Python runs a handler only
+when the main thread is back in the interpreter, which a long step, a collective or a save
+delays by seconds on a busy machine; two presses a few seconds apart then reached the handler
+together (and a Python handler runs once for signals that arrive together), and one press
+relayed twice could reach it a second apart. :class:`ArrivalClock` reads the signal wakeup fd
+(written by the C-level handler as each signal arrives) on a thread of its own, which needs
+only the GIL, not the main thread, to stamp a press and to end the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 log = logging.getLogger("pretrain")
@@ -33,7 +43,7 @@ SAME_PRESS_S = 1.0
 """A SIGINT this soon after the first is the same press relayed (torchrun), not a second one."""
 AGAIN_TEXT = (f"Ctrl-C again, {SAME_PRESS_S:g} s or more after this one, exits at once without "
               f"saving (a press within {SAME_PRESS_S:g} s is taken as this one)")
-"""What the first Ctrl-C's line promises, worded from the rule :meth:`StopRequest._handle`
+"""What the first Ctrl-C's line promises, worded from the rule :meth:`StopRequest.interrupted_at`
 applies."""
 
 
@@ -51,9 +61,11 @@ class StopRequest:
 
     @classmethod
     def install(cls) -> StopRequest:
+        """Handle :data:`SIGNALS` from now on (from the main thread, as any handler)."""
         stop = cls()
         for sig in SIGNALS:
             signal.signal(sig, stop._handle)
+        ArrivalClock.start().listener = stop
         return stop
 
     @property
@@ -70,21 +82,73 @@ class StopRequest:
         return (f"stopped by {signal_text(self.signal_name or 'signal')} after step {step}; "
                 "checkpoint saved; run the same command to resume")
 
+    def interrupted_at(self, arrival: float) -> None:
+        """A SIGINT that arrived at ``arrival`` (``time.monotonic()``): a second press, one
+        :data:`SAME_PRESS_S` or more after the first, exits at once. Called by the clock's
+        thread, in the order the signals arrived."""
+        if self._first_interrupt is None:
+            self._first_interrupt = arrival
+        elif arrival - self._first_interrupt >= SAME_PRESS_S:
+            _exit_at_once()
+
     def _handle(self, signum, _frame) -> None:
         if os.getpid() != self._pid:  # a forked checkpoint writer: it finishes or is killed
             return
         name = signal.Signals(signum).name
-        if name == "SIGINT":
-            now = time.monotonic()
-            if self._first_interrupt is not None and now - self._first_interrupt \
-                    >= SAME_PRESS_S:
-                _exit_at_once()
-            self._first_interrupt = self._first_interrupt or now
         if self.signal_name is None:
             self.signal_name = name
             then = f"; {AGAIN_TEXT}" if name == "SIGINT" else ""
             log.info("received %s: will stop at the next step boundary and save%s",
                      signal_text(name), then)
+
+
+class ArrivalClock:
+    """Stamps each SIGINT as it arrives and hands it to :attr:`listener`, on a daemon thread.
+
+    Python's C-level handler writes each signal's number to the wakeup fd as the signal arrives
+    (:func:`signal.set_wakeup_fd`; one byte per signal, none merged); the thread blocks on the
+    other end of that pipe. One clock per process: the fd is the process's only one (nothing a
+    run imports sets another), and a forked child drops it (:func:`_forget_in_child`), so that
+    its signals are not taken for the parent's.
+    """
+
+    _running: ArrivalClock | None = None
+
+    def __init__(self) -> None:
+        self.listener: StopRequest | None = None
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # as set_wakeup_fd requires
+        self._pid = os.getpid()
+        threading.Thread(target=self._watch, name="ctrl-c-clock", daemon=True).start()
+
+    @classmethod
+    def start(cls) -> ArrivalClock:
+        """The process's clock, started on first use; (re)takes the wakeup fd."""
+        clock = cls._running
+        if clock is None or clock._pid != os.getpid():
+            if clock is None:  # once per process, and inherited by its forks
+                os.register_at_fork(after_in_child=_forget_in_child)
+            clock = cls._running = cls()
+        signal.set_wakeup_fd(clock._write, warn_on_full_buffer=False)
+        return clock
+
+    def _watch(self) -> None:
+        while True:
+            arrived = os.read(self._read, 64)
+            now = time.monotonic()
+            for signum in arrived:
+                listener = self.listener
+                if signum == signal.SIGINT and listener is not None:
+                    listener.interrupted_at(now)
+
+
+def _forget_in_child() -> None:
+    """In a forked child: no clock (its thread is not there) and no wakeup fd."""
+    if ArrivalClock._running is not None:
+        ArrivalClock._running = None
+        with contextlib.suppress(ValueError):  # forked from a thread other than the main one
+            signal.set_wakeup_fd(-1)
+
 
 
 def kill_children() -> None:

@@ -4,7 +4,8 @@ tokens go, at every logged step.
 Why: a router that sends most tokens to a few experts wastes the others' parameters and
 compute, and the loss curve does not show it; megatron's balancing losses only say how hard
 the router is being pushed back. Both, and the loads themselves, are logged per step
-(metrics.jsonl, W&B, the console line, the run's report), and a collapse is said once.
+(metrics.jsonl, W&B, the console line, the run's report), and a router that stays
+imbalanced or collapsed, or recovers, is said (``pretrain.report.expert_load.RouterVerdicts``).
 
 - **Losses**, as megatron computes and keeps them: each router adds its balancing loss (the
   type of ``model.moe_router_load_balancing_type``) and z-loss, without their coefficients,
@@ -28,7 +29,8 @@ the router is being pushed back. Both, and the loads themselves, are logged per 
 
 Per logged step the record gets ``moe_aux_loss``, ``moe_z_loss`` (each when its coefficient
 is set), ``moe_max_load``, ``moe_min_load``, ``moe_dropped`` (with a capacity factor) and
-``moe_load/block<NN>``; ``experts.jsonl`` in the run folder gets the raw counts. A dense
+``moe_load/block<NN>``; ``experts.jsonl`` in the run folder gets the raw counts, and W&B
+alone every expert's load (:attr:`RouterWatch.expert_loads`). A dense
 model gets none of it: :func:`build` returns None and no hook exists.
 """
 
@@ -46,10 +48,11 @@ from model.schemes import LoadBalancing
 from pretrain.config import Config
 from pretrain.data.batches import microbatches_per_step
 from pretrain.report.expert_load import (
-    COLLAPSE_STEPS,
+    FILE,
     BlockLoad,
-    collapse_load,
-    collapsed_text,
+    Health,
+    RouterVerdicts,
+    expert_load_fields,
     load_fields,
 )
 from pretrain.report.metrics import strict_json
@@ -62,7 +65,6 @@ BALANCING_LOSS = {LoadBalancing.AUX_LOSS: "load_balancing_loss",
                   LoadBalancing.GLOBAL_AUX_LOSS: "global_load_balancing_loss"}
 """megatron's tracker name of each balancing loss type."""
 Z_LOSS = "z_loss"
-FILE = "experts.jsonl"
 
 
 def tracked_losses(config: Config) -> dict[str, str]:
@@ -97,8 +99,10 @@ class RouterWatch:
         self.losses = tracked_losses(config)
         self.path = run_dir / FILE if run_dir is not None and logs else None
         self.logs = logs
-        self.streaks = dict.fromkeys(self.blocks, 0)
-        self.warned: set[int] = set()
+        self.verdicts = RouterVerdicts(self.num_experts, self.topk, config.optim.warmup_steps,
+                                       config.run.log_interval, m.moe_aux_loss_coeff)
+        self.expert_loads: dict[str, float] = {}
+        """Every expert's load at the last measured step, for W&B alone (logging rank)."""
         # per global block: tokens received by each expert, then the tokens routed
         self.counts = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64,
                                   device=device.compute_device())
@@ -123,7 +127,7 @@ class RouterWatch:
     def measure(self, step: int) -> dict:
         """The record fields of the step just taken (collective: every rank calls it at the
         same steps); on the logging rank also its line of experts.jsonl and, once per block,
-        the collapse warning."""
+        the routers' verdicts."""
         fields = self._losses(step)
         counts = self.counts.clone()
         dist.all_reduce(counts)
@@ -133,7 +137,9 @@ class RouterWatch:
         if self.path is not None:
             self._write(step, loads)
         if self.logs:
-            self._watch_collapse(step, loads)
+            self.expert_loads = expert_load_fields(loads)
+            for health, line in self.verdicts.observe(step, loads):  # a recovery is news
+                log.log(logging.INFO if health is Health.EVEN else logging.WARNING, "%s", line)
         return fields
 
     def _losses(self, step: int) -> dict:
@@ -157,15 +163,6 @@ class RouterWatch:
             line["dropped"] = {str(b.block): b.dropped for b in loads}
         with self.path.open("a") as f:
             f.write(strict_json(line) + "\n")
-
-    def _watch_collapse(self, step: int, loads: list[BlockLoad]) -> None:
-        level = collapse_load(self.num_experts, self.topk)
-        for load in loads:
-            self.streaks[load.block] = self.streaks[load.block] + 1 if load.max_load > level \
-                else 0
-            if self.streaks[load.block] >= COLLAPSE_STEPS and load.block not in self.warned:
-                self.warned.add(load.block)
-                log.warning("%s", collapsed_text(step, load, self.num_experts, self.topk))
 
 
 def build(config: Config, chunks: list, run_dir: Path | None, logs: bool) -> RouterWatch | None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from model import compiled
-from model.builder import model_parameters
+from model.sizes import ParameterCount, whole_model_count
 from pretrain.build import params_dtype, preflight, setup
 from pretrain.config import Config, GuardAction
 from pretrain.data.batches import (
@@ -40,6 +40,7 @@ from pretrain.hf import llama as hf_llama
 from pretrain.optim import build_optimizer
 from pretrain.report import console
 from pretrain.report.metrics import MetricsLogger, is_logging_rank
+from pretrain.report.model_summary import expert_layout_text, sizes_text
 from pretrain.report.progress import Progress
 from pretrain.report.throughput import Throughput
 from pretrain.report.units import count, human
@@ -49,7 +50,7 @@ from pretrain.run.folder import check_writable, prepare_run_dir, run_metadata
 from pretrain.run.lock import RunLock
 from pretrain.run.saver import Saver
 from pretrain.run.stop import StopRequest, signal_text
-from pretrain.train import diagnostics, experts
+from pretrain.train import diagnostics, experts, profiling
 from pretrain.train.evaluate import evaluate_sets, loss_share, per_set, validates
 from pretrain.train.guard import (
     SpikeGuard,
@@ -174,7 +175,8 @@ class Training:
         self.saver = Saver(self.ckpt_root, config.run.keep_last, config.run.async_save)
         self.recompiles: compiled.Recompiles | None = None  # set by loop() in compiled runs
         self.optimizer, self.scheduler = build_optimizer(config, chunks, params_dtype(config))
-        self.parameters = model_parameters(chunks)
+        self.sizes = whole_model_count(chunks)  # collective
+        self.parameters = self.sizes.total
         self._resume()
         self.guard = SpikeGuard(config.guard, begin.record.get("guard"))
 
@@ -205,7 +207,7 @@ class Training:
         prepare_run_dir(self.run_dir, config, self.parameters,
                         resuming=begin.previous is not None)
         self.identity = {**begin.identity, "config_sha256": sha256(self.run_dir / "config.toml")}
-        announce(config, self.parameters, start, begin.previous)
+        announce(config, self.sizes, start, begin.previous)
         if (short := short_window_warning(config.guard)) and is_logging_rank():
             log.warning(short)
         self.tokenizer, self.downstream = tokenizer, downstream
@@ -221,6 +223,8 @@ class Training:
         self.progress = Progress(start, config.run.steps, enabled=is_logging_rank())
         self.watchdog = Watchdog(config.run.hang_timeout, self.run_dir / "hangs",
                                  dist.get_rank())
+        self.profiler = profiling.build(config.profiling, self.run_dir, dist.get_rank(), start,
+                                        self.progress.message)
         d = config.data
         self.prefetch = Prefetcher(lambda first: list(step_microbatches(
             self.train_set, first, d.global_batch_size, d.micro_batch_size)))
@@ -237,6 +241,7 @@ class Training:
         finally:  # the one teardown
             self.watchdog.stop()  # first: after a hang it waits for the watchdog's exit
             self.prefetch.close()
+            self.profiler.close()
             self.saver.close()  # after an exception: a write still in flight is waited for
             self.progress.close()
             if finished:
@@ -260,7 +265,8 @@ class Training:
             stragglers.step_begins()
             if routers:
                 routers.step_begins()
-            status, verdict, lr, grad_norm = self.step(step, diag)
+            with self.profiler.step(step + 1):  # a trace, and a snapshot on out-of-memory
+                status, verdict, lr, grad_norm = self.step(step, diag)
             step += 1
             self.watchdog.step_done(step)
             if self.recompiles and step > self.begin.position.step + 1:
@@ -282,7 +288,7 @@ class Training:
                 record.update(stragglers.measure(step))  # collective
                 if routers:
                     record.update(routers.measure(step))  # collective
-                self.metrics.log(record)
+                self.metrics.log(record, routers.expert_loads if routers else None)
             self.progress.step(step, record)
             if self.recompiles and step == self.begin.position.step + 1:
                 self.progress.message(compiled.first_step_text(time.perf_counter() - began))
@@ -427,20 +433,21 @@ class Training:
         self.saver.save(step, self.chunks, self.optimizer, self.scheduler, record)
 
 
-def announce(config: Config, parameters: int, start: int, previous: Path | None) -> None:
-    """The first screen: what is trained, where, on what, and from which point."""
+def announce(config: Config, sizes: ParameterCount, start: int, previous: Path | None) -> None:
+    """The first screen: what is trained (an MoE model's experts and active parameters too),
+    where (the expert layout too), on what, and from which point."""
     m, p, d, r = config.model, config.parallel, config.data, config.run
     dp = parallel_state.get_data_parallel_world_size()
     where = device.compute_device()
     hardware = f"{where} ({device.device_name()})" if device.uses_cuda() else "cpu"
     tokens = d.global_batch_size * config.seq_length
-    log.info("training %s: %s parameters (%d layers x %d, %d heads), %s on %s",
-             m.residual_scheme, f"{parameters:,}", m.num_layers, m.hidden_size,
-             m.num_attention_heads, str(params_dtype(config)).removeprefix("torch."), hardware)
+    log.info("training %s: %s, %s on %s", m.residual_scheme, sizes_text(m, sizes),
+             str(params_dtype(config)).removeprefix("torch."), hardware)
     micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
-    log.info("layout: world %d = tp %d x pp %d x dp %d; %s of %s per step and data-parallel "
-             "rank", dist.get_world_size(), p.tp, p.pp, dp, count(micro, "micro-batch"),
-             count(d.micro_batch_size, "sequence"))
+    world = dist.get_world_size()
+    log.info("layout: world %d = tp %d x pp %d x dp %d%s; %s of %s per step and data-parallel "
+             "rank", world, p.tp, p.pp, dp, expert_layout_text(m, p, world),
+             count(micro, "micro-batch"), count(d.micro_batch_size, "sequence"))
     log.info("data: %s; %s tokens per step x %s steps = %s tokens",
              ", ".join(d.prefixes), f"{tokens:,}", f"{r.steps:,}", human(tokens * r.steps))
     if previous is not None:

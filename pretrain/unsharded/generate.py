@@ -8,15 +8,20 @@ short samples one reads to judge a run, and slow for long ones (an exported HF m
 KV cache is the tool for those).
 
 Greedy when ``temperature`` is 0; otherwise logits / temperature, then top-k, then top-p
-(the smallest set of tokens whose probability reaches p), then a draw from a generator seeded
-with ``seed``: the same command prints the same text. Generation stops after ``max_tokens``
-or at the tokenizer's end-of-document token.
+(the smallest set of tokens whose probability reaches p), then a draw from the prompt's own
+generator (:func:`prompt_generator`): seeded with ``seed`` and the prompt's place on the
+command line, so the same command prints the same text, and two prompts draw independent
+numbers. One generator shared by every prompt from the same seed did: prompts whose
+continuations met (a small model's common phrase) then went on identically, token for token.
+Batch samplers of other frameworks likewise give each sequence its own stream. Generation
+stops after ``max_tokens`` or at the tokenizer's end-of-document token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.config import require
@@ -45,6 +50,7 @@ class Sampling:
                 "(0: greedy)")
         require(self.top_k >= 0, f"--top-k ({self.top_k}) must be >= 0 (0: off)")
         require(0 < self.top_p <= 1, f"--top-p ({self.top_p}) must be in (0, 1]")
+        require(self.seed >= 0, f"--seed ({self.seed}) must be >= 0")
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
@@ -64,12 +70,21 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
+def prompt_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of the ``index``-th prompt (from 0) of a command with ``--seed seed``: its
+    own stream, seeded from both numbers by numpy's SeedSequence (which spreads nearby seeds
+    apart), so prompts draw independently and the same seed and place repeat their draws."""
+    state = np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0]
+    return torch.Generator().manual_seed(int(state))
+
+
 @torch.no_grad()
 def continue_tokens(model, prompt: list[int], sampling: Sampling, vocab_size: int,
-                    seq_length: int, stop_token: int | None) -> list[int]:
-    """The tokens ``model`` appends to ``prompt`` (the padded vocabulary's extra entries are
-    never chosen)."""
-    generator = torch.Generator().manual_seed(sampling.seed)
+                    seq_length: int, stop_token: int | None, index: int = 0) -> list[int]:
+    """The tokens ``model`` appends to ``prompt``, the ``index``-th prompt of its command
+    (its draws: :func:`prompt_generator`; the padded vocabulary's extra entries are never
+    chosen)."""
+    generator = prompt_generator(sampling.seed, index)
     where = device.compute_device()
     ids = list(prompt)
     for _ in range(sampling.max_tokens):
@@ -99,11 +114,11 @@ def generate_from_checkpoint(config: Config, path: str, prompts: list[str],
     single_process(config, "generate")
     model, tokenizer, _ = load_whole(config, path)
     results = []
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         ids = tokenizer.encode(prompt)
         require(len(ids) >= 1, "--prompt must not be empty")
         new = continue_tokens(model, ids, sampling, tokenizer.vocab_size,
-                              config.model.seq_length, tokenizer.eod)
+                              config.model.seq_length, tokenizer.eod, index)
         results.append({"prompt": prompt, "completion": completion(tokenizer, ids, new),
                         "tokens": len(new)})
     return results

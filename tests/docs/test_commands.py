@@ -16,12 +16,15 @@ What is checked, for real but without running anything:
 - ``python -m M`` (also ``.venv/bin/python``, ``$PY``, ``srun ... python``, ``FOO=1 python``):
   M is a module of this repository (``M.py`` or ``M/__main__.py``) or an installed one (pytest);
   ``python -m pretrain ...`` (and the arguments of ``launch.finished``, ``launch/torchrun.sh``,
-  the slurm batch scripts and ``torchrun -m pretrain``) parse with
+  the slurm batch scripts) parse with
   ``pretrain.arguments.parser()``, every argument it does not know being a
   ``--section.key=value`` override of a real config field, and ``explain X`` names a real field
   or section; the ``--long`` options given to the repository's other modules and scripts are
   ones their argparse parsers define;
 - ``bash P``, ``sbatch P``, ``torchrun P``, ``python P.py``: the script exists;
+- ``torchrun -m pretrain`` is not shown: the pages show ``launch/torchrun.sh`` instead, whose
+  Ctrl-C and user's mistakes end with the ranks' own lines, where plain torchrun adds its
+  traceback or failure report (docs/parallelism.md, Launchers);
 - every ``--config`` file and every path under the source folders (``configs/``, ``scripts/``,
   ``launch/``, ``tests/``...) exists, globs match something, and ``for`` loops are expanded so
   each file a loop names is checked;
@@ -469,7 +472,10 @@ class Checker:
             option = rest.pop(0)
             if "=" not in option and option not in TORCHRUN_FLAGS and rest:
                 rest.pop(0)  # the option's value
-        if rest[:1] == ["-m"] and len(rest) >= 2:
+        if rest[:2] == ["-m", "pretrain"]:  # its Ctrl-C and config errors end in its traceback
+            self.problem(f"plain torchrun -m pretrain: show {LAUNCHER} instead, which ends a "
+                         "Ctrl-C or a user's mistake with the ranks' own lines")
+        elif rest[:1] == ["-m"] and len(rest) >= 2:
             self.module(rest[1], rest[2:])
         else:
             self.script(rest)
@@ -705,6 +711,8 @@ def test_checker_reports_broken_commands():
         "sbatch --nodes=2 launch/slurm/multi-node.sbatch trian": "trian",
         "launch/torchrun.sh --bogus 1 train": "--bogus",
         "torchrun --nproc-per-node 2 -m pretrain.nothing train": "no such module",
+        "torchrun --nproc-per-node 2 -m pretrain train --config configs/demo-cpu.toml":
+            LAUNCHER,
         'python -m pytest -m "not slow and not nonexistent_marker"': "nonexistent_marker",
         "frobnicate --now": "unknown program",
     }

@@ -5,7 +5,7 @@ import pytest
 
 from model.builder import build_model, count_parameters
 from model.config import ParallelConfig
-from model.sizes import parameter_count
+from model.sizes import parameter_count, whole_model_count
 from tests.helpers import tiny_model
 
 H, KV, F, E, K, F_E, F_S = 32, 16, 64, 8, 2, 24, 40  # tiny_model: 4 heads of 8, 2 KV groups
@@ -14,8 +14,12 @@ MOE = dict(num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=F_E,
 
 
 def _count(model):
+    """This rank's counts, checked against the whole model's (one rank: the same numbers),
+    which the start line reports."""
     chunks = build_model(model, ParallelConfig(), seed=1)
-    return count_parameters(chunks), parameter_count(chunks)
+    counted = parameter_count(chunks)
+    assert whole_model_count(chunks) == counted
+    return count_parameters(chunks), counted
 
 
 def test_pre_norm_moe_counted_by_hand(single_rank):

@@ -54,6 +54,7 @@ def test_export_loads_in_transformers_with_the_same_logits(single_rank, data, tm
                             "--output", str(out)).stdout.splitlines()[-1])
     assert result["output"] == str(out) and (out / "model.safetensors").is_file()
     assert (out / "tokenizer.model").is_file() and (out / "tokenizer.json").is_file()
+    assert "expert" not in (out / "README.md").read_text()  # a dense model's says none
     seen = transformers_side({"export": out}, TOKENS, GREEDY, tmp_path)
     assert seen["modules"] == []  # nothing of this project was imported
     theirs = seen["export"]
@@ -78,6 +79,15 @@ def test_an_expert_parallel_moe_checkpoint_exports(single_rank, moe_run, tmp_pat
     experts = {name.split(".mlp.experts.local_experts.")[1].split(".")[0] for name in tensors
                if ".mlp.experts.local_experts." in name}
     assert experts == {"0", "1", "2", "3"}
+    # the folder's README says the experts and what a token uses (top-2 of 4: half the routed)
+    total = sum(t.numel() for t in tensors.values())
+    routed = sum(t.numel() for name, t in tensors.items() if ".mlp.experts.local_experts." in name)
+    text = (out / "README.md").read_text()
+    for words in ("a router sends each token to 2 of 4 routed experts (top-2), each an MLP of "
+                  "width 64, and every token also passes through a shared expert of width 64",
+                  f"Parameters: {total:,} in all, of which {routed:,} in the routed experts; "
+                  f"{total - routed // 2:,} active per token"):
+        assert words in text, (words, text)
     biases = [t for name, t in tensors.items() if name.endswith("router.expert_bias")]
     assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases)  # moved by training
     seen = transformers_side({"export": out}, TOKENS, GREEDY, tmp_path)

@@ -1,6 +1,6 @@
 """A mixture-of-experts router's load, as plain arithmetic (pretrain.report.expert_load), and
 the report's experts panel: only for a run that logged it, one line per MoE block in depth
-order, the collapse level from the run's config."""
+order, the imbalance level from the run's config."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pretrain.report import panels
-from pretrain.report.expert_load import BlockLoad, collapse_load, load_fields
+from pretrain.report.expert_load import BlockLoad, imbalance_load, load_fields
 from pretrain.report.run_info import read_run_info
 from pretrain.report.series import read_metrics
 
@@ -27,11 +27,11 @@ def test_loads_are_counts_over_their_mean_and_dropped_is_what_was_not_kept():
     assert load_fields([], capacity=True) == {}
 
 
-def test_the_collapse_level_is_halfway_to_every_token_on_the_same_experts():
-    assert collapse_load(4, 2) == 1.5  # most: 2
-    assert collapse_load(64, 8) == 4.5  # most: 8
-    assert collapse_load(8, 1) == 4.5
-    assert collapse_load(4, 4) == 1.0  # routing to every expert: never above
+def test_the_imbalance_level_is_halfway_to_every_token_on_the_same_experts():
+    assert imbalance_load(4, 2) == 1.5  # most: 2
+    assert imbalance_load(64, 8) == 4.5  # most: 8
+    assert imbalance_load(8, 1) == 4.5
+    assert imbalance_load(4, 4) == 1.0  # routing to every expert: never above
 
 
 def _run(tmp_path, records, config: str = ""):
@@ -55,6 +55,6 @@ def test_the_experts_panel_exists_only_for_a_run_with_experts(tmp_path):
         "load-balancing loss (mean over MoE blocks)"]
     loads = figure.plots[0]
     assert [c.key for c in loads.curves] == ["moe_load/block02", "moe_load/block10"]
-    assert loads.by_depth and loads.threshold == (2.5, "collapse level")
+    assert loads.by_depth and loads.threshold == (2.5, "imbalance level")
     bare = panels.figures(*_run(tmp_path, [record]))  # no config: no level to draw
     assert [f for f in bare if f.name == "experts"][0].plots[0].threshold is None

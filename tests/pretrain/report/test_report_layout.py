@@ -3,8 +3,9 @@ box in the rendered figure), no title, axis label, tick label or legend entry ru
 figure or over another, on a long run with the hard cases at once (a loss spike 250 times the
 loss, a rollback that skips data ahead, two counters holding the same counts, downstream
 scores with their chance level, a mixture of experts' router panels, a null, a long run
-title); the labels of marks (settings changed on resume, rollbacks) stay inside their panel;
-and one spike does not set an axis (``pretrain.report.outliers``)."""
+title), and the experts' heat map (64 experts in 12 blocks, and 4 in 2 with each cell's value);
+the labels of marks (settings changed on resume, rollbacks) stay inside their panel; and one
+spike does not set an axis (``pretrain.report.outliers``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.report import panels, plots
+from pretrain.report import expert_map, panels, plots
 from pretrain.report.outliers import body_range
 from pretrain.report.run_info import read_run_info
 from pretrain.report.series import read_metrics, read_settings_changes
@@ -106,6 +107,13 @@ def run(request, tmp_path_factory) -> Path:
         '[run]\nstraggler_ratio = 1.5\n')
     (run / "versions.json").write_text(json.dumps({"git_commit": "0123456789abcdef",
                                                    "parameters": 1_300_000_000}))
+    steps, every, _ = RUNS[request.param]
+    experts, blocks = (64, range(0, 24, 2)) if request.param == "long" else (4, range(2))
+    rng = random.Random(1)
+    (run / "experts.jsonl").write_text("".join(json.dumps(
+        {"step": step, "topk": 2, "received": {str(b): [rng.randint(0, 300) for _ in
+                                                        range(experts)] for b in blocks}})
+        + "\n" for step in range(every, steps + 1, every)))
     return run
 
 
@@ -150,6 +158,9 @@ def drawn(run: Path):
                                RUNS[run.name][0])
             fig.canvas.draw()
             figures.append((figure.name, fig))
+        fig = expert_map.render(plt, expert_map.expert_maps(run), info.title(), plots.CHAR_EM)
+        fig.canvas.draw()
+        figures.append(("expert_load", fig))
         yield figures
     finally:
         for _, fig in figures:

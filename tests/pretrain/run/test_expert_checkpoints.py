@@ -12,12 +12,15 @@ the balancing and z losses on, sigmoid scores with DeepSeek-V3's expert bias."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
+from model.config import ModelConfig
+from pretrain.report.expert_load import balancing_advice
 from tests.pretrain.run.test_async_checkpoint import assert_same_checkpoints
 from tests.pretrain_fixtures import cli, run_logged, train_args, train_losses
 
@@ -158,6 +161,22 @@ def test_a_run_with_experts_resumed_as_dense_is_refused_by_name(data, single, tm
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
     assert "holds another model: model.num_experts (4 in the checkpoint, 0 here)" in errors[0]
+
+
+def test_a_resume_takes_the_routers_advice_and_records_it(data, single, tmp_path):
+    """The advice of a router said to be imbalanced (pretrain.report.expert_load), a stronger
+    balancing loss, with a stronger z-loss beside it: both weigh a loss and shape no tensor,
+    so the step-3 checkpoint resumes with them, trains on to step 6, and the change is
+    recorded with the run's other settings changes."""
+    advice = balancing_advice(ModelConfig.moe_aux_loss_coeff)
+    run = resumed_from(single, tmp_path / "stronger")
+    done = cli(*train_args(data, run, *COMMON, advice, "--model.moe_z_loss_coeff=2e-3"))
+    assert "holds another model" not in done.stderr
+    assert sorted(train_losses(run)) == list(range(EVERY + 1, STEPS + 1))
+    (line,) = [json.loads(x) for x in (run / "settings_changes.jsonl").read_text().splitlines()]
+    assert line["step"] == EVERY
+    assert {k: v for k, v in line["changes"].items() if k.startswith("model.")} == {
+        "model.moe_aux_loss_coeff": [1e-2, 2e-2], "model.moe_z_loss_coeff": [1e-3, 2e-3]}
 
 
 def test_sigkill_during_a_save_resumes_every_loss_exactly(data, single, tmp_path):

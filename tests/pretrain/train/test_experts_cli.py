@@ -82,14 +82,23 @@ def test_the_counts_add_up_and_the_logged_numbers_are_theirs(moe_run):
         (logged,) = [h for h in history if h["_step"] == row["step"] and "loss" in h]
         for key in FIELDS:
             assert logged[key] == pytest.approx(row[key], rel=1e-12), key
+        # and every expert's load, which metrics.jsonl leaves to experts.jsonl
+        for block, received in counts[row["step"]]["received"].items():
+            mean = sum(received) / EXPERTS
+            for expert, count in enumerate(received):
+                key = f"moe_expert_load/block{int(block):02d}/e{expert:02d}"
+                assert logged[key] == pytest.approx(count / mean, rel=1e-12), key
+                assert key not in row
 
 
 @pytest.mark.slow
 def test_the_report_draws_the_routers(moe_run, tmp_path):
     run, _ = moe_run
     cli("report", str(run), "--output", str(tmp_path))
-    assert (tmp_path / "experts.png").is_file()
-    assert "Mixture of experts: router load and losses" in (tmp_path / "report.html").read_text()
+    assert (tmp_path / "experts.png").is_file() and (tmp_path / "expert_load.png").is_file()
+    html = (tmp_path / "report.html").read_text()
+    assert "Mixture of experts: router load and losses" in html
+    assert "Load of each expert" in html and "the whole run, 4 logged steps (1-4)" in html
 
 
 @pytest.mark.slow
@@ -103,6 +112,7 @@ def test_a_dense_run_has_no_expert_field_file_line_or_panel(data, tmp_path):
     assert not [line for line in done.stderr.splitlines() if " aux " in line or " load " in line]
     cli("report", str(run))
     assert not (run / "report" / "experts.png").exists()
+    assert not (run / "report" / "expert_load.png").exists()
 
 
 @pytest.mark.slow
@@ -139,3 +149,18 @@ def test_pipeline_data_expert_and_tensor_parallel_runs_log_the_single_process_va
     assert line["tokens"] == TOKENS and sorted(line["received"]) == ["0", "1"]
     for block, received in line["received"].items():
         assert sum(received) + line["dropped"][block] == TOKENS * TOPK
+
+
+@pytest.mark.slow
+def test_the_first_lines_name_the_experts(moe_run):
+    """The start line names the experts, the top-k, the MoE blocks and the active parameters
+    (the total less the SwiGLU experts of width 128 a token skips in both blocks); the layout
+    line the expert layout (pretrain.report.model_summary, as the dry run does)."""
+    _, done = moe_run
+    line = next(line for line in done.stderr.splitlines() if "training siamese: " in line)
+    assert "parameters (2 layers x 64, 4 heads, 4 experts top-2 in 2 MoE blocks, " in line, line
+    total = int(line.split("training siamese: ")[1].split(" parameters")[0].replace(",", ""))
+    active = int(line.split("MoE blocks, ")[1].split(" active per token")[0].replace(",", ""))
+    assert total - active == 2 * (EXPERTS - TOPK) * 3 * 64 * 128, line
+    assert "layout: world 1 = tp 1 x pp 1 x dp 1; experts: ep 1 x etp 1 x pp 1 x expert dp 1; " \
+        in done.stderr, done.stderr[:3000]

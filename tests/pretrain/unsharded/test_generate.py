@@ -8,7 +8,8 @@ import torch
 from model.builder import build_model
 from pretrain.config import load_config
 from pretrain.data.tokenizer import open_tokenizer
-from pretrain.unsharded.generate import Sampling, continue_tokens, next_token
+from pretrain.unsharded import generate as generate_module
+from pretrain.unsharded.generate import Sampling, continue_tokens, next_token, prompt_generator
 from runtime import weights
 from runtime.errors import ConfigError
 from tests.pretrain_fixtures import cli
@@ -105,6 +106,29 @@ def test_greedy_is_top_k_one_and_sampling_is_seeded(loaded):
     assert a != c
 
 
+def test_each_prompt_draws_from_its_own_stream(loaded, monkeypatch):
+    """One command, one seed, the same prompt twice: two continuations (a shared seed's
+    draws made prompts whose continuations met go on alike, token for token); the same
+    command again: the same two. Through the command's own function, on the loaded model."""
+    model, config = loaded
+    tokenizer = open_tokenizer(config.data.tokenizer)
+    monkeypatch.setattr(generate_module, "single_process", lambda config, command: None)
+    monkeypatch.setattr(generate_module, "load_whole",
+                        lambda config, path: (model, tokenizer, None))
+    hot = Sampling(max_tokens=8, temperature=1.5, top_p=0.98, seed=3)
+    first, second = generate_module.generate_from_checkpoint(config, "-", ["class"] * 2, hot)
+    assert first["completion"] != second["completion"], (first, second)
+    again = generate_module.generate_from_checkpoint(config, "-", ["class"] * 2, hot)
+    assert again == [first, second]
+
+
+def test_prompt_streams_differ_by_place_and_repeat_by_seed():
+    draws = {(seed, index): torch.rand(8, generator=prompt_generator(seed, index)).tolist()
+             for seed in (0, 1) for index in (0, 1)}
+    assert len({tuple(d) for d in draws.values()}) == 4
+    assert torch.rand(8, generator=prompt_generator(1, 0)).tolist() == draws[1, 0]
+
+
 def test_bad_sampling_is_one_line(run):
     done = generate(run, "--temperature=-1", check=False)
     assert done.returncode == 2
@@ -116,6 +140,7 @@ def test_bad_sampling_is_one_line(run):
     (Sampling(top_p=0.0), ["--top-p (0.0)", "(0, 1]"]),
     (Sampling(max_tokens=0), ["--max-tokens (0)", ">= 1"]),
     (Sampling(top_k=-2), ["--top-k (-2)", ">= 0"]),
+    (Sampling(seed=-1), ["--seed (-1)", ">= 0"]),  # the prompts' streams need a seed >= 0
 ])
 def test_sampling_checks(sampling, words):
     with pytest.raises(ConfigError) as err:
