@@ -50,26 +50,28 @@ pip install -c "$constraints" -e ".[dev,demo,sweep,eval]"
 say "checking the environment: dependencies complete, the pins installed, the imports work"
 pip check || echo "[install] warning: pip check found the conflicts above"
 "$venv/bin/python" -W ignore - "$constraints" <<'PY'
+import importlib
 import sys
 from importlib.metadata import distributions, version
-
-import megatron.core  # noqa: F401  (its wheel is installed past its Python requirement)
-import torch  # noqa: F401
-
-import pretrain  # noqa: F401
 
 
 def name(text: str) -> str:
     return text.lower().replace("_", "-").replace(".", "-")
 
 
-installed = {name(d.metadata["Name"]): d.version for d in distributions()}
+# The versions the environment resolves: the first of each name on sys.path, read before any
+# import (setuptools, imported by torch, appends its own vendored copies of a few packages).
+installed: dict[str, str] = {}
+for dist in distributions():
+    installed.setdefault(name(dist.metadata["Name"] or ""), dist.version)
 pins = dict(line.strip().split("==", 1) for line in open(sys.argv[1])
             if "==" in line and not line.startswith("#"))
 wrong = [f"{pkg} {installed[name(pkg)]} (pinned {pinned})" for pkg, pinned in pins.items()
          if name(pkg) in installed and installed[name(pkg)].split("+")[0] != pinned]
 if wrong:  # constraints make this impossible; if it happens, the install is not the lock's
     sys.exit("[install] error: not the pinned versions: " + ", ".join(wrong))
+for module in ("torch", "megatron.core", "pretrain"):  # megatron: installed past its Python
+    importlib.import_module(module)                     # requirement, so checked by import
 absent = sorted(pkg for pkg in pins if name(pkg) not in installed)
 print(f"[install] done: {len(installed)} packages, {len(pins) - len(absent)} at the versions "
       f"pinned" + (f" (pinned, not needed here: {', '.join(absent)})" if absent else "")
