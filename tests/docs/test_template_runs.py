@@ -5,7 +5,8 @@ sequence, document attention, further validation sets).
 
 tests/docs/test_commands.py checks that these commands parse; here they run. Each keeps its own
 overrides; the test puts in its corpus (the docs' data paths are the reader's), its run folder,
-two steps and a validation share the small corpus holds. Compiled blocks use Dynamo's capture
+two steps (a profiling window becomes the second of them) and a validation share the small
+corpus holds. Compiled blocks use Dynamo's capture
 with the aot_eager backend (where the length and document-attention crash was), and the user's
 combination once with inductor, the template's own backend.
 """
@@ -66,17 +67,28 @@ def _short(data: dict, run_dir) -> list[str]:
             "--logging.wandb_mode=disabled"]
 
 
+def _window(overrides: list[str]) -> list[str]:
+    """A documented profiling window moved into the test's two steps: the second alone."""
+    if any(a.startswith("--profiling.first_step") for a in overrides):
+        return ["--profiling.first_step=2", "--profiling.steps=1"]
+    return []
+
+
 @pytest.mark.parametrize("where, environ, overrides", COMMANDS,
                          ids=[w for w, _, _ in COMMANDS])
 def test_documented_template_command_trains(data, tmp_path, where, environ, overrides):
     run = tmp_path / "run"
     done = cli("train", "--config", str(REPO / TEMPLATE), *overrides, *_short(data, run),
-               "--kernels.compile_backend=aot_eager", extra_env=environ or None, timeout=600)
+               *_window(overrides), "--kernels.compile_backend=aot_eager",
+               extra_env=environ or None, timeout=600)
     if "--dry-run" in overrides:
         assert "memory per GPU for activations" in done.stdout, done.stderr[-2000:]
         assert not run.exists()  # a dry run writes nothing
         return
     assert sorted(train_losses(run)) == [1, 2], where
+    if any(a.startswith("--profiling.first_step") for a in overrides):
+        assert sorted(p.name for p in (run / "profile").iterdir()) == \
+            ["rank0-step2.pt.trace.json"], where
 
 
 def test_template_with_a_users_overrides_trains_compiled(data, tmp_path):
