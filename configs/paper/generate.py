@@ -38,10 +38,10 @@ ABLATIONS = {
 DEPTHS = ((10, 1280), (17, 1024), (33, 768), (80, 512))
 # The MoE run: peak LR 1e-3, 100B tokens (the shape, chosen here, is in moe/_model.toml).
 MOE_LR = "1e-3"
-# Schemes whose activations do not fit the bases' micro-batch of 4 on an 80 GB GPU (the dry
-# run's estimate, kept under 75% of it by the tests): hyper-connections (hc, mhc) keep four
-# streams per sublayer (mhc 57.4 GiB at 80 x 512 with 4). The same global batch, in more
-# micro-batches.
+# The n-stream schemes (hc, mhc) keep four streams per sublayer: at the bases' micro-batch of
+# 4, hc at 80 x 512 does not fit an 80 GB GPU (the dry run's estimate at 8 GPUs, 60.9 GiB,
+# over the 75% of it the tests allow); mhc would (51.6 GiB) and takes hc's micro-batch so
+# that the two step alike. The same global batch, in more micro-batches.
 MICRO_BATCH = {"hc": 2, "mhc": 2}
 HEAD_SIZE = 64
 
