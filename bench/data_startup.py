@@ -99,11 +99,18 @@ def drop_page_cache() -> bool:
 
 
 class StubTokenizer:
-    """What the data path reads of a tokenizer, for ids made without one."""
+    """What the data path reads of a tokenizer, for ids made without one (its encoding
+    gives back any text: the start's round-trip check passes)."""
 
     def __init__(self, vocab_size: int):
         self.path, self.vocab_size, self.eod, self.pad = "synthetic", vocab_size, 0, -1
         self.unique_identifiers = {"class": "synthetic", "model_sha256": f"{vocab_size:064d}"}
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode()
 
 
 def worker(spec: dict) -> dict:

@@ -60,6 +60,14 @@ DECAYED = "weight_decayed"
 """The parameter attribute holding whether the optimizer decays it."""
 
 
+MUON = "muon_matrix"
+"""The parameter attribute holding whether optim.name muon steps it with Muon: a weight of one
+of megatron's linear layers (the blocks' attention and MLP projections), set by :func:`assign`
+from the module's kind like the role. Not the output layer (megatron marks it an embedding's
+kin, ``is_embedding_or_output_parameter``), nor a scheme's declared matrix (a hyper-connection
+projection reads the streams, not a hidden feature), nor a router or an embedding: those, and
+every parameter that is not a matrix, stay AdamW's."""
+
 WHY = "weight_decay_override"
 """The parameter attribute holding why its decay differs from its role's default (absent when
 it does not)."""
@@ -118,6 +126,7 @@ def assign(chunks, scheme: str) -> None:
                 what = (f"residual scheme {scheme}: parameter {where} ({type(module).__name__}, "
                         f"shape {tuple(param.shape)})")
                 kind = _kind(module, name)
+                setattr(param, MUON, _block_linear(module, name, param, kind))
                 role = getattr(param, ROLE, None)
                 if role is None and kind is None:
                     raise RuntimeError(
@@ -137,6 +146,20 @@ def assign(chunks, scheme: str) -> None:
                         f"tensors, not {param.dim()}-d ones (model.decay.RANKS): declare the role "
                         f"it is ({fits}); to decay it or not against that role's default, "
                         "declare(param, role, decayed=..., why=\"...\")")
+
+
+def _block_linear(module: torch.nn.Module, name: str, param: torch.nn.Parameter,
+                  kind: Decay | None) -> bool:
+    return (kind is Decay.MATRIX and name == "weight" and "Linear" in type(module).__name__
+            and not getattr(param, "is_embedding_or_output_parameter", False))
+
+
+def muon_matrix(param: torch.nn.Parameter) -> bool:
+    """Whether optim.name muon steps ``param`` with Muon (after :func:`assign`, :data:`MUON`)."""
+    if not hasattr(param, MUON):
+        raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has no optimizer role: "
+                           "the model was not built by model.builder.build_model")
+    return getattr(param, MUON)
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -2,7 +2,8 @@
 the unsharded tools (generate, lm-eval, export-hf).
 
 :func:`preflight` checks what needs no process group or model (the tokenizer, the data;
-the config itself was validated when it was loaded), so a mistake fails in seconds;
+the config itself was validated when it was loaded), so a mistake fails in seconds, and
+returns what it read for the steps after it;
 :func:`setup` then builds the process groups and the DDP-wrapped model chunks.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from megatron.core.transformer.module import Float16Module
@@ -19,13 +21,12 @@ from model import compiled
 from model.backends import AttentionBackend
 from model.builder import build_model, wrap_ddp
 from model.config import ModelConfig
-from pretrain.config import Config, ParamsDtype, valid_sets
-from pretrain.data import record, round_trip
-from pretrain.data.checks import check_data
+from pretrain.config import Config, ParamsDtype
+from pretrain.data.checks import Data, check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.report import console
 from runtime import device, parallel
-from runtime.errors import ConfigError, DataError
+from runtime.errors import ConfigError
 
 log = logging.getLogger("pretrain")
 
@@ -66,34 +67,21 @@ def tokenizer_for(config: Config) -> Tokenizer:
     return tokenizer
 
 
-def check_round_trip(config: Config, tokenizer: Tokenizer) -> None:
-    """A tokenizer that does not give back the text it encodes trains only on datasets
-    prepared with that allowance (``pretrain.data.round_trip``)."""
-    lost = round_trip.loss(tokenizer, round_trip.PROBE)
-    if lost is None:
-        return
-    prefixes = [*config.data.prefixes, *(s.prefix for s in valid_sets(config.data))]
-    for prefix in prefixes:
-        if not (record.read(prefix) or {}).get("lossy_tokenizer"):
-            raise DataError(
-                f"data.tokenizer '{config.data.tokenizer}' does not give back the text it "
-                f"encodes ({lost}), and '{prefix}' was not prepared with "
-                "--allow-lossy-tokenizer: prepare it again with a lossless tokenizer, or "
-                "with --allow-lossy-tokenizer to train on this one's ids")
-    log.warning("data.tokenizer '%s' loses text (%s); its datasets were prepared with "
-                "--allow-lossy-tokenizer", config.data.tokenizer, lost)
+class Inputs(NamedTuple):
+    """What :func:`preflight` checked: the tokenizer, and the data as its checks read it
+    (each dataset once: the run's identity takes the data's fingerprints from it)."""
+
+    tokenizer: Tokenizer
+    data: Data
 
 
-def preflight(config: Config, training: bool = True) -> Tokenizer:
+def preflight(config: Config, training: bool = True) -> Inputs:
     """Every check that needs no process group or model, beyond the config's own (validated
     when it was loaded, with the launch's world size): the tokenizer against the model, the
-    data (``training``: with what a training run reads of it); so a mistake fails in seconds.
-    Returns the tokenizer."""
+    data (``training``: with what a training run reads of it, and whether its datasets allow
+    a tokenizer that loses text); so a mistake fails in seconds."""
     tokenizer = tokenizer_for(config)
-    check_data(config, tokenizer, training)
-    if training:
-        check_round_trip(config, tokenizer)
-    return tokenizer
+    return Inputs(tokenizer, check_data(config, tokenizer, training))
 
 
 def setup(config: Config) -> list:

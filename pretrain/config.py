@@ -60,10 +60,28 @@ class WsdDecayShape(StrEnum):
     MINUS_SQRT = "minus_sqrt"
 
 
+class OptimName(StrEnum):
+    ADAMW = "adamw"
+    MUON = "muon"  # Muon for the blocks' linear weights, AdamW for every other parameter
+
+
+class MuonAdjustLr(StrEnum):
+    """torch.optim.Muon's ``adjust_lr_fn``: how a matrix's shape scales its learning rate."""
+
+    MATCH_RMS_ADAMW = "match_rms_adamw"  # 0.2 sqrt(max(rows, cols)): AdamW's update RMS
+    ORIGINAL = "original"  # sqrt(max(1, rows / cols)), Keller Jordan's
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up from 0 to ``lr``, then a decay to ``min_lr`` at run.steps."""
+    """AdamW (or Muon for the blocks' linear weights) with linear warm-up from 0 to ``lr``,
+    then a decay to ``min_lr`` at run.steps."""
 
+    name: OptimName = OptimName.ADAMW
+    """The optimizer: adamw for every parameter, or muon: torch.optim.Muon for the blocks'
+    attention and MLP linear weights and AdamW (this section's other fields) for the rest
+    (embeddings, output layer, norms, biases, gates, scalars, a scheme's own matrices);
+    docs/training.md#muon."""
     lr: float = 3e-4
     """Peak learning rate, reached at the end of the warm-up."""
     min_lr: float = 3e-5
@@ -99,8 +117,30 @@ class OptimConfig:
     TE or apex megatron uses their fused Adam either way."""
     override_schedule: bool = False
     """On resume, follow this config's schedule (lr, min_lr, warmup_steps, decay_style, the
-    wsd fields, weight_decay, run.steps) where it differs from the checkpoint's, keeping the
-    optimizer's moments; otherwise a difference is an error naming the field."""
+    wsd fields, weight_decay, muon_lr, muon_weight_decay, run.steps) where it differs from the
+    checkpoint's, keeping the optimizer's moments; otherwise a difference is an error naming
+    the field."""
+    muon_lr: float = 0.0
+    """name muon: the Muon matrices' peak learning rate (0: lr). It follows the same warm-up
+    and decay, ending at muon_lr x min_lr / lr. With muon_adjust_lr_fn match_rms_adamw the
+    default (AdamW's lr) is the intended one."""
+    muon_weight_decay: float = 0.1
+    """name muon: the Muon matrices' decoupled weight decay (torch.optim.Muon multiplies a
+    weight by 1 - lr x weight_decay each step), constant over the run."""
+    muon_momentum: float = 0.95
+    """name muon: the decay rate of Muon's momentum buffer, in [0, 1)."""
+    muon_nesterov: bool = True
+    """name muon: orthogonalise the Nesterov look-ahead of the momentum instead of the momentum
+    itself."""
+    muon_ns_steps: int = 5
+    """name muon: Newton-Schulz iterations that orthogonalise each update, in [1, 99]."""
+    muon_adjust_lr_fn: MuonAdjustLr = MuonAdjustLr.MATCH_RMS_ADAMW
+    """name muon: torch.optim.Muon's learning-rate adjustment by a matrix's shape (rows x
+    cols). match_rms_adamw (0.2 sqrt(max(rows, cols)), from "Muon is Scalable for LLM
+    Training") gives the orthogonalised update the RMS of a typical AdamW update, so AdamW's
+    learning rate and weight decay carry over: the default, since this framework's presets are
+    tuned for AdamW and muon_lr defaults to lr. original (sqrt(max(1, rows / cols)), Keller
+    Jordan's) wants a learning rate some 10-50x AdamW's."""
 
     def __post_init__(self) -> None:
         coerce_choices("optim", self)
@@ -742,6 +782,7 @@ def validate(config: Config, world_size: int | None = None, training: bool = Tru
         if training:  # neither applies to eval or the unsharded tools, on any world size
             found.check(_validate_profiling, config.profiling, config.run.steps, world_size)
             _validate_optim(config.optim, config.run.steps if steps else None, found)
+            _validate_muon_layout(config, found)
         batches = _validate_data(config, found)
         _validate_eval(config.eval, found)
         found.check(_validate_compile, config.kernels, config.parallel.recompute,
@@ -807,6 +848,45 @@ def _validate_optim(o: OptimConfig, steps: int | None, found: Findings) -> None:
         first_step = o.lr / (1 - o.beta1)  # Adam's bias-corrected step size at step 1
         found.require(first_step < FP32_MAX, f"optim.lr ({o.lr}) / (1 - optim.beta1) must be "
                       f"< {FP32_MAX:.3g} (the largest fp32 number; the optimizer's first step)")
+    _validate_muon(o, found)
+
+
+MUON_FIELDS = ("muon_lr", "muon_weight_decay", "muon_momentum", "muon_nesterov",
+               "muon_ns_steps", "muon_adjust_lr_fn")
+"""The optim fields that apply only to optim.name muon."""
+
+
+def _validate_muon(o: OptimConfig, found: Findings) -> None:
+    """Muon's ranges with optim.name muon; with adamw, a Muon field set away from its default
+    (it would be silently ignored)."""
+    if o.name is not OptimName.MUON:
+        defaults = OptimConfig()
+        for name in MUON_FIELDS:
+            value = getattr(o, name)
+            found.require(value == getattr(defaults, name),
+                          f"optim.{name} ({value}) applies only to optim.name muon, not "
+                          f"{o.name}; set --optim.name=muon or remove it")
+        return
+    found.require(o.muon_lr >= 0, f"optim.muon_lr ({o.muon_lr}) must be >= 0 (0: optim.lr)")
+    found.require(o.muon_weight_decay >= 0,
+                  f"optim.muon_weight_decay ({o.muon_weight_decay}) must be >= 0")
+    found.require(0 <= o.muon_momentum < 1,
+                  f"optim.muon_momentum ({o.muon_momentum}) must be in [0, 1)")
+    found.require(1 <= o.muon_ns_steps < 100,
+                  f"optim.muon_ns_steps ({o.muon_ns_steps}) must be in [1, 99]")
+
+
+def _validate_muon_layout(config: Config, found: Findings) -> None:
+    """What Muon does not support yet (docs/limits.md): megatron's distributed optimizer, whose
+    shards cut matrices that Muon orthogonalises whole, and experts."""
+    if config.optim.name is not OptimName.MUON:
+        return
+    found.require(not config.parallel.distributed_optimizer,
+                  "optim.name muon does not support parallel.distributed_optimizer yet: set "
+                  "--parallel.distributed_optimizer=false")
+    found.require(not config.model.num_experts, f"optim.name muon does not support "
+                  f"model.num_experts ({config.model.num_experts}) > 0 yet: train experts with "
+                  "optim.name adamw")
 
 
 def _validate_data(config: Config, found: Findings) -> bool:

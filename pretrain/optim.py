@@ -17,25 +17,29 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from model import decay
-from pretrain.config import Config, DecayStyle
+from pretrain import muon
+from pretrain.config import Config, DecayStyle, OptimName
 from runtime.errors import ConfigError
 from runtime.multi_tensor import foreach_kernels
 
 
 def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
-    """AdamW with linear warm-up from 0 to ``optim.lr``, then ``optim.decay_style`` down to
-    ``optim.min_lr`` at ``run.steps``. Returns (optimizer, scheduler)."""
+    """AdamW (``optim.name`` muon: chained with Muon for the blocks' linear weights,
+    :mod:`pretrain.muon`) with linear warm-up from 0 to ``optim.lr``, then
+    ``optim.decay_style`` down to ``optim.min_lr`` at ``run.steps``. Returns (optimizer,
+    scheduler)."""
     o = config.optim
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
-            bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-            use_distributed_optimizer=config.parallel.distributed_optimizer,
-        ),
-        chunks,
-        config_overrides=decay_overrides(),
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
+        bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+        use_distributed_optimizer=config.parallel.distributed_optimizer,
     )
+    if o.name is OptimName.MUON:
+        optimizer = muon.build(config, chunks, optimizer_config, decay_overrides())
+    else:
+        optimizer = get_megatron_optimizer(optimizer_config, chunks,
+                                           config_overrides=decay_overrides())
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
         lr_warmup_steps=o.warmup_steps, lr_decay_steps=config.run.steps,
@@ -46,6 +50,11 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
         use_checkpoint_opt_param_scheduler=False,
         wsd_decay_steps=o.wsd_decay_steps or None, lr_wsd_decay_style=str(o.wsd_decay_shape),
     )
+    # what a checkpoint records beside megatron's schedule (schedule_state)
+    scheduler.optimizer_name = str(o.name)
+    if o.name is OptimName.MUON:
+        scheduler.muon_max_lr, scheduler.muon_min_lr = muon.peak_and_final_lr(o)
+        scheduler.muon_lr, scheduler.muon_wd = o.muon_lr, o.muon_weight_decay
     if o.fused:
         use_fused_kernels(optimizer)
     return optimizer, scheduler
@@ -114,7 +123,8 @@ _SCHEDULE_FIELDS = {
     "max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_steps": "optim.warmup_steps",
     "lr_decay_style": "optim.decay_style", "wsd_decay_steps": "optim.wsd_decay_steps",
     "lr_wsd_decay_style": "optim.wsd_decay_shape", "lr_decay_steps": "run.steps",
-    "start_wd": "optim.weight_decay",
+    "start_wd": "optim.weight_decay", "muon_lr": "optim.muon_lr",
+    "muon_wd": "optim.muon_weight_decay",
 }
 SCHEDULE_SETTINGS = frozenset(_SCHEDULE_FIELDS.values())
 """The config fields that set the learning-rate and weight-decay schedule."""
@@ -122,11 +132,21 @@ _CONFIG_VALUE = {"lr_decay_style": {v: k.value for k, v in _DECAY_STYLES.items()
                  "wsd_decay_steps": {None: 0}}
 
 
+# The Muon groups' schedule values a checkpoint records (optim.name muon), and the parameter
+# group keys megatron's scheduler reads each from.
+_MUON_SCHEDULE = {"muon_max_lr": ("max_lr",), "muon_min_lr": ("min_lr",),
+                  "muon_wd": ("start_wd", "end_wd")}
+
+
 def schedule_state(scheduler) -> dict:
-    """What a checkpoint stores of the schedule: megatron's scheduler state and the WSD
-    fields, which megatron's state omits (so a change of them is seen on resume)."""
+    """What a checkpoint stores of the schedule: megatron's scheduler state, the WSD
+    fields, which megatron's state omits (so a change of them is seen on resume), the
+    optimizer's name and, with Muon, its groups' peak and final LR and weight decay."""
+    muon_lrs = {key: getattr(scheduler, key) for key in ("muon_lr", *_MUON_SCHEDULE)
+                if hasattr(scheduler, key)}
     return {**scheduler.state_dict(), "wsd_decay_steps": scheduler.wsd_decay_steps,
-            "lr_wsd_decay_style": scheduler.lr_wsd_decay_style}
+            "lr_wsd_decay_style": scheduler.lr_wsd_decay_style,
+            "optimizer": getattr(scheduler, "optimizer_name", "adamw"), **muon_lrs}
 
 
 def _shown(key: str, value):
@@ -170,7 +190,8 @@ def load_schedule(scheduler, saved: dict) -> None:
 
 
 def adopt_schedule(optimizer_state: dict, saved_schedule: dict, scheduler) -> None:
-    """Give the saved optimizer's parameter groups this run's peak and final LR.
+    """Give the saved optimizer's parameter groups this run's peak and final LR (and, with
+    Muon, its groups' own and their weight decay).
 
     megatron stores ``max_lr``/``min_lr`` in every parameter group, matches saved groups to
     the live ones by them (a new ``optim.lr`` on resume: ``KeyError`` in the distributed
@@ -178,11 +199,17 @@ def adopt_schedule(optimizer_state: dict, saved_schedule: dict, scheduler) -> No
     saved values, which the scheduler reads before its own. A saved group that carried the
     checkpoint's schedule value carries this run's instead; the Adam moments are untouched.
     Without ``optim.override_schedule`` the values are equal (:func:`check_schedule`)."""
-    replace = {key: (saved_schedule[key], getattr(scheduler, key))
-               for key in ("max_lr", "min_lr") if key in saved_schedule}
+    def replacing(group_keys: dict) -> list[tuple]:
+        return [(group_key, saved_schedule[key], getattr(scheduler, key))
+                for key, keys in group_keys.items()
+                if key in saved_schedule and hasattr(scheduler, key) for group_key in keys]
+
+    adam = replacing({"max_lr": ("max_lr",), "min_lr": ("min_lr",)})
+    matrices = replacing(_MUON_SCHEDULE)  # Muon's groups (their values may equal AdamW's)
     for groups in _param_group_lists(optimizer_state):
         for group in groups:
-            for key, (old, new) in replace.items():
+            is_muon = group.get("optimizer") == muon.MARK["optimizer"]
+            for key, old, new in matrices if is_muon else adam:
                 if group.get(key) == old:
                     group[key] = new
 
@@ -213,6 +240,8 @@ def prime_state(optimizer) -> None:
     until the first step, and it asserts that all parameters share one ``step`` value."""
     for inner, torch_optimizer in _torch_optimizers(optimizer):
         inner.init_state_fn(torch_optimizer, inner.config)
+        if not isinstance(torch_optimizer, torch.optim.Adam):  # Muon: a momentum, no step
+            continue
         for state in torch_optimizer.state.values():
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
         _place_steps(torch_optimizer)

@@ -26,7 +26,7 @@ PACKAGES = {"runtime": 0, "kernels": 1, "model": 2, "pretrain": 3, "launch": 4, 
 PRETRAIN_LAYERS = [
     {"paths", "arguments"},
     {"config"},
-    {"optim"},
+    {"optim", "muon"},
     {"report"},
     {"data"},
     {"run"},

@@ -1,20 +1,25 @@
-"""Every check a dataset passes before a run folder is written, in the order a start makes
-them: :func:`check_data` is the one entry (``pretrain.build.preflight`` calls it for training
-and ``eval``), and each check it makes is below it in this file.
+"""Every check a dataset passes before a run folder is written, made in one pass in the order
+below: :func:`check_data` is the one entry (``pretrain.build.preflight`` calls it for training
+and ``eval``), and each check it makes is below it in this file. It reads each dataset once
+(its ``.idx``, its record, the size of its ``.bin``, a few pages of it) and returns what it
+read (:class:`Data`), so the start's later steps read no data file again: the run's identity
+(``pretrain.run.identity``) takes each ``.idx``'s fingerprint from it.
 
 1. The run's sample count fits this machine's memory as megatron's sample index.
-2. Every prefix's ``.idx`` is structurally sound (:mod:`pretrain.data.index`: sizes,
-   pointers, document indices), all prefixes first, so a damaged file among a hundred fails
-   before any scan.
-3. Each prefix's ``.bin`` has the size its index describes; its record
+2. Every dataset's files exist and its ``.idx`` is structurally sound
+   (:mod:`pretrain.data.index`: sizes, pointers, document indices): each training prefix's,
+   then each further validation set's (data.valid_sets), all before any scan, so a damaged
+   file among a hundred fails first.
+3. Each training prefix in turn: its ``.bin`` has the size its index describes; its record
    (:mod:`pretrain.data.record`) agrees with the files, names the tokenizer that made it (when
    known: then it must be this run's) and gives its lowest and highest token id, which must
-   lie in the tokenizer's vocabulary.
-4. Each split the run reads gets at least one document; the validation split holds
-   data.valid_samples without repeating a sample; each further validation set
-   (data.valid_sets) passes 2-4 too.
+   lie in the tokenizer's vocabulary; each split the run reads gets at least one document.
+4. The validation split holds data.valid_samples without repeating a sample; each further
+   validation set passes 3's checks of its files and holds its samples.
 5. With data.document_attention, documents end with the tokenizer's end-of-document token
    (else every sequence is one document: said once).
+6. For training, a tokenizer that does not give back the text it encodes
+   (:mod:`pretrain.data.round_trip`) only with datasets whose record allows it.
 
 Every failure is one DataError or ConfigError line naming the file or field, the rule and the
 value. Every check costs the same at any corpus size: the token ids come from the record,
@@ -39,7 +44,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 
 from pretrain.config import Config, ValidSet, valid_sets
 from pretrain.data import index as idx
-from pretrain.data import record
+from pretrain.data import record, round_trip
 from pretrain.data.batches import sample_counts
 from pretrain.data.epochs import Reading, blend_weights, log_epochs, log_long_documents
 from pretrain.paths import require_file
@@ -67,11 +72,46 @@ def _check_index_size(config: Config) -> None:
             f"({human(memory)}B); lower run.steps")
 
 
-def check_data(config: Config, tokenizer, training: bool = True) -> None:
-    """The data of ``config`` against ``tokenizer``, steps 1-5 of the module's docstring,
-    before the run folder is touched. When ``training``, logs how many epochs of each prefix
-    the run reads, warning above one; eval reads no training sample, so it hears nothing of
-    the run's epochs or blend shares."""
+class Dataset(NamedTuple):
+    """One dataset as the start's checks found it: its documents and tokens, and its record
+    as :func:`pretrain.data.record.current` gave it (the tokenizer that made it, its id range,
+    the .idx's fingerprint now, its allowances). It holds no open file (a memory map holds
+    one, and a blend may have thousands of prefixes)."""
+
+    prefix: str
+    documents: int
+    tokens: int
+    record: dict[str, Any]
+
+    @property
+    def tokenizer(self) -> dict[str, Any] | None:
+        """The tokenizer its record names (None: made elsewhere, or before records)."""
+        return self.record["tokenizer"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.record["idx_fingerprint"]
+
+
+class Data(NamedTuple):
+    """What :func:`check_data` read: the training prefixes (data.prefixes, in order) and the
+    further validation sets (data.valid_sets, in order)."""
+
+    training: list[Dataset]
+    further: list[Dataset]
+
+    @property
+    def fingerprints(self) -> list[str]:
+        """Each training prefix's .idx fingerprint, for the run's data identity."""
+        return [d.fingerprint for d in self.training]
+
+
+def check_data(config: Config, tokenizer, training: bool = True) -> Data:
+    """The data of ``config`` against ``tokenizer``, steps 1-6 of the module's docstring in
+    one pass, before the run folder is touched; returns what was read. When ``training``,
+    logs how many epochs of each prefix the run reads, warning above one, and checks that a
+    lossy tokenizer is allowed; eval reads no training sample, so it hears nothing of the
+    run's epochs or blend shares."""
     data = config.data
     _check_index_size(config)
     if not data.prefixes:
@@ -79,15 +119,15 @@ def check_data(config: Config, tokenizer, training: bool = True) -> None:
                           "PREFIX.bin/.idx, e.g. from prepare-data)")
     wanted = sample_counts(config)
     weights = blend_weights(data.weights, data.prefixes, wanted[0] if training else 0)
+    further = valid_sets(data)
     indices = [read_index(prefix) for prefix in data.prefixes]  # all before any scan
+    further_indices = [_in_set(s, read_index, s.prefix) for s in further]
     # megatron's own split arithmetic, without building a dataset config (that logs through
     # torch.distributed, which does not exist yet at this point)
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(data.split))
-    capacity, unrecorded, reads = [], [], []
+    datasets, capacity, reads = [], [], []
     for prefix, weight, index in zip(data.prefixes, weights, indices, strict=True):
-        checked = check_dataset(prefix, tokenizer, index)
-        if checked.tokenizer is None:
-            unrecorded.append(prefix)
+        datasets.append(check_dataset(prefix, tokenizer, index))
         _check_split_not_empty(prefix, index.document_count, data.split, split_matrix, wanted)
         train_tokens = _split_tokens(index.lengths, split_matrix[0])
         reads.append(Reading(prefix, train_tokens,
@@ -97,6 +137,7 @@ def check_data(config: Config, tokenizer, training: bool = True) -> None:
         if data.valid_samples:
             capacity.append((prefix, weight, _split_sequences(config, index.lengths,
                                                               split_matrix[1])))
+    unrecorded = [d.prefix for d in datasets if d.tokenizer is None]
     if unrecorded:
         log.info("%s without a record of the tokenizer that made them (made elsewhere, or "
                  "by an older version): the tokenizer is not checked (%s)",
@@ -105,10 +146,14 @@ def check_data(config: Config, tokenizer, training: bool = True) -> None:
     if training:
         log_epochs(reads)
     _check_valid_set_fits(config, capacity)
-    for valid_set in valid_sets(data):
-        _check_further_set(config, valid_set, tokenizer)
+    checked = Data(datasets, [_check_further_set(config, valid_set, tokenizer, index)
+                              for valid_set, index in zip(further, further_indices,
+                                                          strict=True)])
     if data.document_attention:
         _check_documents_end(data.prefixes, indices, tokenizer)
+    if training:
+        _check_round_trip(config, tokenizer, checked)
+    return checked
 
 
 def read_index(prefix: str) -> idx.Index:
@@ -118,16 +163,7 @@ def read_index(prefix: str) -> idx.Index:
     return idx.read(prefix + ".idx")
 
 
-class Checked(NamedTuple):
-    """What the checks of one prefix found: its documents and tokens, and the tokenizer its
-    record names (None: made elsewhere, or before records existed)."""
-
-    documents: int
-    tokens: int
-    tokenizer: dict[str, Any] | None
-
-
-def check_dataset(prefix: str, tokenizer, index: idx.Index | None = None) -> Checked:
+def check_dataset(prefix: str, tokenizer, index: idx.Index | None = None) -> Dataset:
     """Check ``prefix`` (its ``index`` if already read) against ``tokenizer``: its .bin's
     size, its record, the tokenizer the record names (its content hash), the token ids
     against the vocabulary."""
@@ -158,7 +194,7 @@ def check_dataset(prefix: str, tokenizer, index: idx.Index | None = None) -> Che
                         f"vocab_size {tokenizer.vocab_size}")
     if facts["min_id"] < 0:
         raise DataError(f"data prefix '{prefix}' has negative token id {facts['min_id']}")
-    return Checked(documents, tokens, made_by)
+    return Dataset(prefix, documents, tokens, facts)
 
 
 # Documents whose last token is looked at, per prefix, for data.document_attention.
@@ -248,20 +284,26 @@ def _check_valid_set_fits(config: Config, capacity: list[tuple[str, float, int]]
             f"{d.split!r}) holds {available}; {fix}")
 
 
-def _check_further_set(config: Config, valid_set: ValidSet, tokenizer) -> None:
-    """A set of data.valid_sets passes the checks of a training prefix (readable, every token
-    id within the tokenizer's vocabulary: a set tokenised with a larger vocabulary fails
-    here) and holds its sample count without repeating a sample, the default set's rule;
-    refused otherwise, naming the largest count that works."""
-    name, prefix, samples = valid_set
+def _in_set(valid_set: ValidSet, check, *args):
+    """``check(*args)`` for a set of data.valid_sets, its DataError naming the set."""
     try:
-        index = read_index(prefix)
-        documents = check_dataset(prefix, tokenizer, index).documents
+        return check(*args)
     except DataError as err:
-        raise DataError(f"data.valid_sets '{name}': {err}") from None
+        raise DataError(f"data.valid_sets '{valid_set.name}': {err}") from None
+
+
+def _check_further_set(config: Config, valid_set: ValidSet, tokenizer,
+                       index: idx.Index) -> Dataset:
+    """A set of data.valid_sets (``index``: its .idx, read) passes the checks of a training
+    prefix (readable, every token id within the tokenizer's vocabulary: a set tokenised with
+    a larger vocabulary fails here) and holds its sample count without repeating a sample,
+    the default set's rule; refused otherwise, naming the largest count that works."""
+    name, prefix, samples = valid_set
+    dataset = _in_set(valid_set, check_dataset, prefix, tokenizer, index)
+    documents = dataset.documents
     available = _split_sequences(config, index.lengths, (0.0, 1.0))
     if samples <= available:
-        return
+        return dataset
     batch = config.data.global_batch_size
     largest = available // batch * batch
     fix = (f"the largest SAMPLES that fits is {largest} (a multiple of "
@@ -270,3 +312,21 @@ def _check_further_set(config: Config, valid_set: ValidSet, tokenizer) -> None:
     raise DataError(
         f"data.valid_sets '{name}' asks '{prefix}' for {samples} validation sequences of "
         f"{config.seq_length} tokens, but its {documents} documents hold {available}; {fix}")
+
+
+def _check_round_trip(config: Config, tokenizer, data: Data) -> None:
+    """A tokenizer that does not give back the text it encodes trains only on datasets
+    prepared with that allowance (:mod:`pretrain.data.round_trip`), which their records
+    say."""
+    lost = round_trip.loss(tokenizer, round_trip.PROBE)
+    if lost is None:
+        return
+    for dataset in [*data.training, *data.further]:
+        if not dataset.record.get("lossy_tokenizer"):
+            raise DataError(
+                f"data.tokenizer '{config.data.tokenizer}' does not give back the text it "
+                f"encodes ({lost}), and '{dataset.prefix}' was not prepared with "
+                "--allow-lossy-tokenizer: prepare it again with a lossless tokenizer, or "
+                "with --allow-lossy-tokenizer to train on this one's ids")
+    log.warning("data.tokenizer '%s' loses text (%s); its datasets were prepared with "
+                "--allow-lossy-tokenizer", config.data.tokenizer, lost)

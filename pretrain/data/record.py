@@ -84,6 +84,18 @@ def file_state(prefix: str) -> dict[str, list[int]]:
     return state
 
 
+class Files(NamedTuple):
+    """What a record is valid for, read from the files once per start: [size, mtime_ns] of
+    the .bin and the .idx (:func:`file_state`) and the .idx's :func:`fingerprint`."""
+
+    state: dict[str, list[int]]
+    fingerprint: str
+
+
+def files_of(prefix: str) -> Files:
+    return Files(file_state(prefix), fingerprint(prefix))
+
+
 def tokenizer_entry(tokenizer) -> dict[str, Any]:
     return {"path": tokenizer.path, "sha256": tokenizer.unique_identifiers["model_sha256"],
             "vocab_size": tokenizer.vocab_size}
@@ -101,15 +113,16 @@ def scan(tokens: np.ndarray) -> tuple[int, int]:
 
 
 def make(prefix: str, tokens: int, documents: int, ids: tuple[int, int],
-         tokenizer=None) -> dict[str, Any]:
-    """The record of ``prefix`` as its files are now: ``ids`` is (lowest, highest), the
-    tokenizer (None: unknown) made it."""
+         tokenizer=None, files: Files | None = None) -> dict[str, Any]:
+    """The record of ``prefix`` as its files are now (``files``, when already read): ``ids``
+    is (lowest, highest), the tokenizer (None: unknown) made it."""
     lowest, highest = ids
+    files = files or files_of(prefix)
     return {"version": VERSION,
             "tokenizer": tokenizer_entry(tokenizer) if tokenizer is not None else None,
             "tokens": int(tokens), "documents": int(documents),
             "min_id": int(lowest), "max_id": int(highest),
-            "files": file_state(prefix), "idx_fingerprint": fingerprint(prefix)}
+            "files": files.state, "idx_fingerprint": files.fingerprint}
 
 
 def write(prefix: str, record: dict[str, Any]) -> None:
@@ -169,18 +182,20 @@ class Change(NamedTuple):
     index: bool  # the .idx's fingerprint is not the recorded one
 
 
-def compare(stored: dict[str, Any], prefix: str) -> Change:
-    return Change(stored["files"]["bin"] != file_state(prefix)["bin"],
-                  stored["idx_fingerprint"] != fingerprint(prefix))
+def compare(stored: dict[str, Any], files: Files) -> Change:
+    return Change(stored["files"]["bin"] != files.state["bin"],
+                  stored["idx_fingerprint"] != files.fingerprint)
 
 
-def _trusted(stored: dict[str, Any] | None, prefix: str, tokens: int, documents: int) -> bool:
-    """Whether ``stored`` describes ``prefix`` now (``tokens`` and ``documents``: its .idx's
-    counts). An index changed under an unchanged .bin is refused: the pair no longer belongs
-    together, and nothing the record says can be trusted for it."""
+def _trusted(stored: dict[str, Any] | None, prefix: str, files: Files, tokens: int,
+             documents: int) -> bool:
+    """Whether ``stored`` describes ``prefix`` now (``files``: what its files are;
+    ``tokens`` and ``documents``: its .idx's counts). An index changed under an unchanged .bin
+    is refused: the pair no longer belongs together, and nothing the record says can be
+    trusted for it."""
     if stored is None:
         return False
-    change = compare(stored, prefix)
+    change = compare(stored, files)
     if change.index and not change.bin:
         path = path_of(prefix)
         raise DataError(
@@ -201,45 +216,52 @@ def _index_change(stored: dict[str, Any], tokens: int, documents: int) -> str:
     return f"the same {documents:,} documents and {tokens:,} tokens, other contents"
 
 
-def _bin_change(stored: dict[str, Any], prefix: str) -> str:
-    (size, _), (then, _) = file_state(prefix)["bin"], stored["files"]["bin"]
+def _bin_change(stored: dict[str, Any], files: Files) -> str:
+    (size, _), (then, _) = files.state["bin"], stored["files"]["bin"]
     return f"{size:,} bytes, recorded {then:,}" if size != then else "another modification time"
 
 
-def _kept_tokenizer(stored: dict[str, Any] | None, prefix: str, tokens: int,
-                    documents: int) -> dict[str, Any] | None:
-    """The tokenizer a fresh scan of ``prefix`` keeps from the record ``stored`` it replaces
-    (the same index: the same tokenisation), saying why it scans."""
+KEPT_ON_RESCAN = ("tokenizer", "lossy_tokenizer", "empty_skipped")
+"""What a fresh scan keeps of the record it replaces when the index is the recorded one (the
+same tokenisation): the tokenizer that made it and what its preparation allowed or skipped
+(``pretrain.data.prepare``); a scan reads ids, it cannot tell any of them."""
+
+
+def _kept(stored: dict[str, Any] | None, prefix: str, files: Files, tokens: int,
+          documents: int) -> dict[str, Any]:
+    """What a fresh scan of ``prefix`` keeps from the record ``stored`` it replaces
+    (:data:`KEPT_ON_RESCAN`; the tokenizer None when unknown), saying why it scans."""
     if stored is None:
         log.info("data prefix %s has no record (%s): scanning its %s tokens once",
                  prefix, SUFFIX, f"{tokens:,}")
-        return None
-    if not compare(stored, prefix).index:
+        return {"tokenizer": None}
+    if not compare(stored, files).index:
         log.info("data record %s: %s.bin has %s, %s.idx the recorded contents; scanning its "
-                 "%s tokens again", path_of(prefix), prefix, _bin_change(stored, prefix),
+                 "%s tokens again", path_of(prefix), prefix, _bin_change(stored, files),
                  prefix, f"{tokens:,}")
-        return stored["tokenizer"]
+        return {key: stored[key] for key in KEPT_ON_RESCAN if key in stored}
     log.warning("data prefix %s changed since its record %s: %s.idx (%s) and %s.bin (%s); "
                 "scanning its %s tokens again, the tokenizer that made it is no longer known",
                 prefix, path_of(prefix), prefix, _index_change(stored, tokens, documents),
-                prefix, _bin_change(stored, prefix), f"{tokens:,}")
-    return None
+                prefix, _bin_change(stored, files), f"{tokens:,}")
+    return {"tokenizer": None}
 
 
 def current(prefix: str, tokens: np.ndarray, documents: int) -> dict[str, Any]:
     """The record describing ``prefix`` now: the stored one when its files are unchanged,
     else a fresh scan, recorded for the next start where the folder is writable (the module's
-    docstring: which changes are refused, warned of or scanned quietly)."""
-    count, stored = len(tokens), read(prefix)
-    if _trusted(stored, prefix, count, documents):
+    docstring: which changes are refused, warned of or scanned quietly). The files' sizes,
+    times and fingerprint are read once, whichever way it goes; its ``idx_fingerprint`` is
+    the .idx's now."""
+    count, stored, files = len(tokens), read(prefix), files_of(prefix)
+    if _trusted(stored, prefix, files, count, documents):
         return stored
     with _exclusive(prefix):
         stored = read(prefix)  # another rank may have recorded it while this one waited
-        if _trusted(stored, prefix, count, documents):
+        if _trusted(stored, prefix, files, count, documents):
             return stored
-        tokenizer = _kept_tokenizer(stored, prefix, count, documents)
-        fresh = make(prefix, count, documents, scan(tokens))
-        fresh["tokenizer"] = tokenizer
+        kept = _kept(stored, prefix, files, count, documents)
+        fresh = {**make(prefix, count, documents, scan(tokens), files=files), **kept}
         try:
             write(prefix, fresh)
         except OSError:

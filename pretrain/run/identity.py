@@ -16,7 +16,8 @@ with experts, a checkpoint of an earlier version that held the experts' optimize
 the rest is refused the same way (:func:`_check_experts_apart`).
 
 Datasets are identified by a fingerprint of their files, not by path, so moving a corpus to
-another file system keeps a run resumable.
+another file system keeps a run resumable; the fingerprints are those the start's data checks
+read (``pretrain.data.checks.Data``), so no data file is read again here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 
 from model.config import MOE_FIELDS, ModelConfig
 from pretrain.config import Config
-from pretrain.data.record import fingerprint
 from pretrain.data.tokenizer import open_tokenizer
 from runtime import checkpoint_reader
 from runtime.errors import CheckpointError
@@ -63,16 +63,18 @@ def model_identity(config: Config) -> dict[str, Any]:
             if k not in CHANGEABLE_MODEL_FIELDS}
 
 
-def data_identity(config: Config) -> dict[str, Any]:
-    """The inputs that decide which sample a step reads. The validation sets are not among
-    them (data.valid_samples, the default set's size, and data.valid_sets, the further sets):
-    megatron builds the training split's samples from the training count alone, and a
-    further set is a dataset of its own, so a resume may change, add or drop them freely."""
+def data_identity(config: Config, fingerprints: list[str]) -> dict[str, Any]:
+    """The inputs that decide which sample a step reads (``fingerprints``: each prefix's
+    ``pretrain.data.record.fingerprint``, as the data checks read it). The validation sets
+    are not among them (data.valid_samples, the default set's size, and data.valid_sets, the
+    further sets): megatron builds the training split's samples from the training count
+    alone, and a further set is a dataset of its own, so a resume may change, add or drop
+    them freely."""
     d = config.data
     weights = d.weights or [1.0] * len(d.prefixes)
     return {
-        "datasets": [{"prefix": p, "fingerprint": fingerprint(p), "weight": w}
-                     for p, w in zip(d.prefixes, weights, strict=True)],
+        "datasets": [{"prefix": p, "fingerprint": f, "weight": w}
+                     for p, f, w in zip(d.prefixes, fingerprints, weights, strict=True)],
         "split": d.split, "seed": config.run.seed,
         "global_batch_size": d.global_batch_size, "seq_length": config.seq_length,
     }
@@ -86,10 +88,11 @@ def tokenizer_identity(config: Config) -> dict[str, str]:
             "sha256": tokenizer.unique_identifiers["model_sha256"]}
 
 
-def run_identity(config: Config) -> dict[str, Any]:
-    """What a checkpoint of this config records: {"model", "tokenizer", "data"}."""
+def run_identity(config: Config, fingerprints: list[str]) -> dict[str, Any]:
+    """What a checkpoint of this config records: {"model", "tokenizer", "data"}
+    (``fingerprints``: :func:`data_identity`'s)."""
     return {"model": model_identity(config), "tokenizer": tokenizer_identity(config),
-            "data": data_identity(config)}
+            "data": data_identity(config, fingerprints)}
 
 
 def upgraded(saved: dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +178,8 @@ def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
     load, on a parameter-group key). ``settings`` is the checkpoint's recorded config (None
     for checkpoints written before settings were recorded: megatron's own error then). With
     experts, a checkpoint of the earlier layout of their state is refused too
-    (:func:`_check_experts_apart`)."""
+    (:func:`_check_experts_apart`). So is a resume with the other ``optim.name`` (Muon's
+    state is a momentum per block matrix, AdamW's two moments per parameter)."""
     saved = (settings or {}).get("parallel", {}).get("distributed_optimizer")
     current = config.parallel.distributed_optimizer
     if saved is not None and saved != current:
@@ -185,6 +189,13 @@ def check_optimizer_layout(settings: dict[str, dict] | None, config: Config,
             f"{str(current).lower()}: the two lay the state out differently; resume with "
             f"--parallel.distributed_optimizer={str(saved).lower()}, or start a new run from "
             "its weights with --run.init_from")
+    if settings:  # settings recorded before optim.name existed are an AdamW run's
+        name, current = settings.get("optim", {}).get("name", "adamw"), str(config.optim.name)
+        if name != current:
+            raise CheckpointError(
+                f"checkpoint '{checkpoint}' holds the optimizer state of optim.name={name}, and "
+                f"this start has {current}: resume with --optim.name={name}, or start a new run "
+                "from its weights with --run.init_from (the optimizer state starts anew)")
     _check_experts_apart(config, checkpoint)
 
 

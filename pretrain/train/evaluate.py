@@ -38,7 +38,7 @@ def evaluate_checkpoint(config: Config, path: str) -> dict:
     appended to ``eval.jsonl`` of the checkpoint's run folder, next to what it describes, with
     the tokenizer file it used (the checkpoint accepts any with its content, at any path)."""
     require_validation(config)
-    tokenizer = preflight(config, training=False)
+    tokenizer = preflight(config, training=False).tokenizer
     found = weights_source(path, config)
     chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())

@@ -33,6 +33,7 @@ from pretrain.data.batches import (
     microbatches_per_step,
     step_microbatches,
 )
+from pretrain.data.checks import Data
 from pretrain.data.position import DataPosition
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.tokenizer import Tokenizer
@@ -109,12 +110,13 @@ def _stopped_in_start_up(stop: StopRequest, at: int) -> dict:
 
 
 class Prepared(NamedTuple):
-    """What the checks before a start found: the tokenizer, where the run starts, and its
-    downstream tasks, built (None: it has none)."""
+    """What the checks before a start found: the tokenizer, where the run starts, its
+    downstream tasks, built (None: it has none), and the data as its checks read it."""
 
     tokenizer: Tokenizer
     begin: StartPoint
     downstream: object | None
+    data: Data
 
 
 def check_before_start(config: Config, config_path: str | None) -> Prepared:
@@ -124,14 +126,14 @@ def check_before_start(config: Config, config_path: str | None) -> Prepared:
     and its downstream tasks (built: their data read). Writes nothing."""
     check_writable(config)
     check_wandb(config)
-    tokenizer = preflight(config)
-    begin = check_start(config, config_path)
+    tokenizer, data = preflight(config)
+    begin = check_start(config, config_path, data)
     tasks = None
     if config.eval.downstream_tasks:  # lm-eval is imported only by runs that use it
         from pretrain.train import downstream
 
         tasks = downstream.prepare(config)
-    return Prepared(tokenizer, begin, tasks)
+    return Prepared(tokenizer, begin, tasks, data)
 
 
 def train(config: Config, stop: StopRequest | None = None,
@@ -144,7 +146,7 @@ def train(config: Config, stop: StopRequest | None = None,
     checkpoint to resume or load is (all before a process group or model exists) and the
     lock (one run per folder)."""
     stop = stop or StopRequest.install()
-    tokenizer, begin, tasks = check_before_start(config, config_path)
+    tokenizer, begin, tasks, data = check_before_start(config, config_path)
     chunks = setup(config)
     console.quiet_other_ranks(is_logging_rank())
     if parallel.any_rank(stop.requested):  # start-up stops only together
@@ -153,7 +155,7 @@ def train(config: Config, stop: StopRequest | None = None,
     lock.acquire()
     try:
         if checkpoint.resolve(Path(config.run.dir) / "checkpoints") != begin.previous:
-            begin = check_start(config, config_path)  # another run saved before we locked
+            begin = check_start(config, config_path, data)  # another run saved before we locked
         run = Training(config, chunks, begin, stop)
         if parallel.any_rank(stop.requested):
             return _stopped_in_start_up(stop, begin.position.step)

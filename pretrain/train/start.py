@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pretrain.config import Config, changed_settings
+from pretrain.data.checks import Data
 from pretrain.data.position import START, DataPosition
 from pretrain.hf import llama as hf_llama
 from pretrain.optim import SCHEDULE_SETTINGS
@@ -65,12 +66,13 @@ def _init_source(path: str, config: Config) -> Path:
     return checkpoint.weights_source(path, config)
 
 
-def check_start(config: Config, config_path: str | None) -> StartPoint:
+def check_start(config: Config, config_path: str | None, data: Data) -> StartPoint:
     """What this start resumes or loads, checked against the config before a tensor is read:
-    the model and its tokenizer (always), the data (on resume), edits of RUN/config.toml."""
+    the model and its tokenizer (always), the data (on resume; ``data``: as the data checks
+    read it), edits of RUN/config.toml."""
     r, d = config.run, config.data
     run_dir = Path(r.dir)
-    current = identity.run_identity(config)
+    current = identity.run_identity(config, data.fingerprints)
     previous = checkpoint.resolve(run_dir / "checkpoints")
     if previous is None:
         weights = _init_source(r.init_from, config) if r.init_from else None

@@ -11,10 +11,13 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 
 def stub_tokenizer(vocab_size: int, name: str = "stub") -> SimpleNamespace:
-    """What the dataset checks read of a tokenizer: its path, size and content hash."""
+    """What the dataset checks read of a tokenizer: its path, size and content hash, and
+    (a training start's round-trip check) an encoding that gives back its text."""
     return SimpleNamespace(path=f"{name}.model", vocab_size=vocab_size,
                            unique_identifiers={"model_sha256": hashlib.sha256(
-                               f"{name}:{vocab_size}".encode()).hexdigest()})
+                               f"{name}:{vocab_size}".encode()).hexdigest()},
+                           encode=lambda text: list(text.encode()),
+                           decode=lambda ids: bytes(ids).decode())
 
 
 def megatron_dataset(prefix: Path, documents: list[list[list[int]]], dtype) -> None:

@@ -100,6 +100,21 @@ def test_a_copied_dataset_keeps_its_tokenizer(tmp_path, scans):
     assert scans == [5]  # the new time recorded once
 
 
+def test_a_copied_dataset_keeps_what_its_preparation_allowed(tmp_path, scans):
+    """A .bin copied without its time is scanned again; the record it writes keeps, with the
+    tokenizer, the lossy tokenizer its preparation allowed and the empty documents it
+    skipped (a scan cannot tell them), so the next start still trains on it."""
+    prefix = _foreign(tmp_path)
+    made_by = stub_tokenizer(500, "maker")
+    record.write(prefix, {**record.make(prefix, 5, 2, (1, 499), made_by),
+                          "lossy_tokenizer": True, "empty_skipped": 3})
+    os.utime(prefix + ".bin", ns=(0, 10**9))
+    check_dataset(prefix, made_by)
+    saved = record.read(prefix)
+    assert (saved["lossy_tokenizer"], saved["empty_skipped"]) == (True, 3)
+    assert saved["tokenizer"]["path"] == "maker.model" and scans == [5]
+
+
 def test_another_tokenisation_loses_the_tokenizer(tmp_path):
     prefix = _foreign(tmp_path)
     record.write(prefix, record.make(prefix, 5, 2, (1, 499), stub_tokenizer(500, "maker")))
