@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import NormBackend
+from model import decay
 from model.backends import AttentionBackend, MegatronFusions, TransformerImpl, resolve_fusions
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
@@ -15,7 +16,7 @@ from model.megatron_config import fusion_fields
 from model.schemes import Activation, FinalNorm, PositionEmbedding, Recompute
 from model.sizes import ParameterCount
 from model.sizes import parameter_count as model_parameter_count
-from pretrain.config import Config, ParamsDtype, to_toml, validate
+from pretrain.config import Config, OptimName, ParamsDtype, to_toml, validate
 from pretrain.report.expert_activations import expert_bytes, mlp_values
 from pretrain.report.model_summary import expert_layout_text
 from pretrain.report.throughput import flops_per_token
@@ -247,35 +248,50 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     return tokens * (in_flight * per_microbatch + (last_stage if p.pp == 1 else 0))
 
 
-def parameter_count(model: ModelConfig, seed: int) -> ParameterCount:
-    """Parameters of the whole model, and the routed experts' share of them, from a build on
-    the meta device (shapes only: a 15B model costs no memory) in a one-rank group opened and
-    closed here."""
+ADAM_STATE = 12
+"""Bytes of optimizer state per AdamW parameter: fp32 main weight and two fp32 moments."""
+MUON_STATE = 8
+"""Bytes of optimizer state per parameter Muon steps: fp32 main weight and one fp32 momentum."""
+
+
+def parameter_count(model: ModelConfig, seed: int) -> tuple[ParameterCount, int]:
+    """Parameters of the whole model, the routed experts' share of them, and the parameters
+    ``optim.name = "muon"`` would step with Muon (the block linears: ``model.decay``), from a
+    build on the meta device (shapes only: a 15B model costs no memory) in a one-rank group
+    opened and closed here."""
     with cpu_compat.enabled():
         parallel.initialize(ParallelConfig(), seed=seed)
         try:
             with torch.device("meta"):
-                return model_parameter_count(build_model(model, ParallelConfig(),
-                                                         norm_backend=NormBackend.TORCH))
+                chunks = build_model(model, ParallelConfig(), norm_backend=NormBackend.TORCH)
+                muon = sum(param.numel() for chunk in chunks for param in chunk.parameters()
+                           if decay.muon_matrix(param))
+                return model_parameter_count(chunks), muon
         finally:
             parallel.destroy()
 
 
-def state_bytes_per_gpu(config: Config, params: ParameterCount, world: int) -> float:
+def state_bytes_per_gpu(config: Config, params: ParameterCount, world: int,
+                        muon: int = 0) -> float:
     """Weights, gradients and optimizer state on one GPU, in bytes: bf16 weights (2 B), fp32
-    gradients (4 B), fp32 main weights and Adam moments (12 B, divided over the data-parallel
-    ranks with the distributed optimizer). The routed experts split over etp x ep x pp ranks
-    and their optimizer state over the expert data-parallel ranks (world / (etp x ep x pp)),
-    the rest over tp x pp and dp, as megatron lays them out (Megatron-LM's
-    ``theoretical_memory_usage`` counts them so)."""
+    gradients (4 B), fp32 main weights and Adam moments (:data:`ADAM_STATE`, divided over the
+    data-parallel ranks with the distributed optimizer). With ``optim.name = "muon"`` the
+    ``muon`` parameters Muon steps keep one momentum instead (:data:`MUON_STATE`; Muon runs
+    without the distributed optimizer and without experts). The routed experts split over etp x
+    ep x pp ranks and their optimizer state over the expert data-parallel ranks (world / (etp x
+    ep x pp)), the rest over tp x pp and dp, as megatron lays them out (Megatron-LM's
+    ``theoretical_memory_usage`` counts them so). Muon's transient whole matrices (a TP
+    shard's gathered weight, gradient and momentum while it steps) are not counted."""
     p = config.parallel
+    muon = muon if config.optim.name is OptimName.MUON else 0
 
-    def per_parameter(dp: int) -> float:
-        return 2 + 4 + 12 / (dp if p.distributed_optimizer else 1)
+    def per_parameter(dp: int, state: int = ADAM_STATE) -> float:
+        return 2 + 4 + state / (dp if p.distributed_optimizer else 1)
 
     dp = world // (p.tp * p.pp)
     expert_group = p.expert_tp * p.ep * p.pp
-    return (params.dense / (p.tp * p.pp) * per_parameter(dp)
+    return ((params.dense - muon) / (p.tp * p.pp) * per_parameter(dp)
+            + muon / (p.tp * p.pp) * per_parameter(dp, MUON_STATE)
             + params.routed / expert_group * per_parameter(world // expert_group))
 
 
@@ -330,7 +346,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     layout."""
     p, d, m = config.parallel, config.data, config.model
     world = world_size or int(os.environ.get("WORLD_SIZE", p.tp * p.pp))
-    params = parameter_count(m, config.run.seed)
+    params, muon = parameter_count(m, config.run.seed)
     tokens_per_step = d.global_batch_size * config.seq_length
     sizes = f"parameters: {params.total:,} ({human(params.total)})"
     if m.num_experts:
@@ -354,7 +370,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         raise LayoutRefused(str(err), "\n".join([*head, *steps, _layout_needs(config, world)])) \
             from None
     dp = world // (p.tp * p.pp)
-    weights_gb = state_bytes_per_gpu(config, params, world) / 2**30
+    weights_gb = state_bytes_per_gpu(config, params, world, muon) / 2**30
     fusions = Fusions.planned(config)
     activations_gb = activation_bytes(config, dp, fusions) / 2**30
     experts = expert_layout_text(m, p, world)
@@ -367,7 +383,9 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         f"micro-batches per step: {d.global_batch_size // (d.micro_batch_size * dp)} "
         f"of {count(d.micro_batch_size, 'sequence')} per data-parallel rank",
         *steps,
-        f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB",
+        f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB"
+        + (f" (Muon: one momentum for the block matrices' {muon:,} parameters, AdamW's two "
+           "moments for the rest)" if config.optim.name is OptimName.MUON else ""),
         fusions.line(config),
         f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
         f"total about {weights_gb + activations_gb:.1f} GiB",

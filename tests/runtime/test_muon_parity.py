@@ -1,5 +1,8 @@
 """Muon across layouts: TP=2 (each shard orthogonalised as part of its whole matrix, QKV and
-the SwiGLU's halves per part) and DP=2 take one process's three steps (within 1e-5)."""
+the SwiGLU's halves per part), TP=2 with sequence parallelism (its marked parameters, the
+norms, are AdamW's), PP=2 (each stage steps its own matrices, one gradient norm clipped
+across stages) and DP=2 take one process's three steps (within 1e-5). The gradient norm (0.73)
+is above the clip (0.5), so a Muon norm taken on one stage only misses by 2e-5 under PP=2."""
 
 import pytest
 import torch
@@ -20,18 +23,19 @@ def stepped(folder) -> dict:
 
 
 @pytest.mark.slow
-def test_tp2_and_dp2_take_one_process_muon_steps(single_rank, tmp_path):
+def test_tp_sp_pp_and_dp_take_one_process_muon_steps(single_rank, tmp_path):
     torch.manual_seed(13)
     [model] = build_model(tiny_model(SCHEME), ParallelConfig())
     weights.save([model], str(tmp_path / "weights"))
-    layouts = {"one": (1, {}), "tp2": (2, {"tp": 2}), "dp2": (2, {})}
+    layouts = {"one": (1, {}), "tp2": (2, {"tp": 2}), "dp2": (2, {}),
+               "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}), "pp2": (2, {"pp": 2})}
     for name, (world, layout) in layouts.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "weights").symlink_to(tmp_path / "weights")
         spawn(world, run_muon_steps, SCHEME, str(tmp_path / name), layout)
     before = {n: p.detach() for n, p in model.named_parameters()}
     expected = stepped(tmp_path / "one")
-    for name in ("tp2", "dp2"):
+    for name in [name for name in layouts if name != "one"]:
         got = stepped(tmp_path / name)
         for key, value in got.items():
             assert not torch.equal(expected[key], before[key]), f"{key} did not move"

@@ -208,3 +208,24 @@ def test_dry_run_counts_what_the_built_moe_model_holds(single_rank):
     assert "layout: world 4 = tp 1 x pp 1 x dp 4, recompute none; experts: ep 2 x etp 1 x pp 1 " \
         "x expert dp 2" in done.stdout
 
+
+
+def test_the_dry_run_gives_muon_the_block_matrices():
+    """With optim.name muon the optimizer-state line names the parameters Muon steps: every
+    block's linear weights (6 blocks x 16 x 1024^2: QKV, projection, SwiGLU fc1 and fc2 at
+    ffn 4 x 1024), and their state is smaller than AdamW's for the same model."""
+    common = ["train", "--config", "configs/demo-cpu.toml", "--dry-run",
+              "--parallel.distributed_optimizer=false", "--model.hidden_size=1024",
+              "--model.ffn_hidden_size=4096"]
+    runs = {name: cli(*common, f"--optim.name={name}", extra_env={"WORLD_SIZE": "2"},
+                      check=False) for name in ("muon", "adamw")}
+    for done in runs.values():
+        _check_verdict(done.returncode, done.stderr)
+    assert f"(Muon: one momentum for the block matrices' {6 * 16 * 1024 * 1024:,} parameters, " \
+        "AdamW's two moments for the rest)" in runs["muon"].stdout, runs["muon"].stdout
+
+    def state(out: str) -> float:
+        line = next(x for x in out.splitlines() if "optimizer state:" in x)
+        return float(line.split("optimizer state: ")[1].split(" GiB")[0])
+
+    assert state(runs["muon"].stdout) < state(runs["adamw"].stdout)

@@ -27,7 +27,7 @@ SHAPE = [*PAPER_1_3B, "--data.micro_batch_size=2", "--data.global_batch_size=16"
 def counted(monkeypatch):
     """A fixed parameter count: no model build, no process group."""
     monkeypatch.setattr(plan, "parameter_count",
-                        lambda model, seed: ParameterCount(total=10_000, routed=0))
+                        lambda model, seed: (ParameterCount(total=10_000, routed=0), 0))
 
 
 @pytest.fixture

@@ -36,6 +36,18 @@ def test_state_bytes_split_dense_and_expert_parameters(overrides, world, expecte
     assert state_bytes_per_gpu(config, count, world) == pytest.approx(expected, rel=1e-12)
 
 
+def test_muon_keeps_one_momentum_for_the_matrices_it_steps():
+    """optim.name muon (no distributed optimizer): 6,000 of 10,000 parameters are block
+    matrices, each with a main weight and one momentum (2 + 4 + 8 bytes), the rest AdamW's
+    (2 + 4 + 12); an AdamW run of the same model counts Adam's state for all."""
+    muon = load_config(None, [*SMALL, "--optim.name=muon",
+                              "--parallel.distributed_optimizer=false"], world_size=4)
+    adamw = load_config(None, [*SMALL, "--parallel.distributed_optimizer=false"], world_size=4)
+    count = ParameterCount(total=10_000, routed=0)
+    assert state_bytes_per_gpu(muon, count, 4, muon=6_000) == 4_000 * 18 + 6_000 * 14
+    assert state_bytes_per_gpu(adamw, count, 4, muon=6_000) == 10_000 * 18
+
+
 def test_the_moe_presets_state_on_8_32_and_64_gpus():
     """The paper MoE preset (15,260,227,584 parameters, 14,495,514,624 of them routed experts;
     ep 8): at 8 GPUs each rank holds the whole optimizer state of its 12 experts (expert dp 1),

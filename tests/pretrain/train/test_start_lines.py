@@ -6,13 +6,12 @@ demo's config, with the world size the layout line reads stubbed (no process gro
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from model.sizes import ParameterCount
 from pretrain.config import load_config
 from pretrain.train import loop
+from tests.pretrain_fixtures import REPO
 
 MOE = ["--model.num_experts=8", "--model.moe_router_topk=2", "--model.moe_ffn_hidden_size=96",
        "--model.moe_layer_freq=[1,0,1,0,1,1]", "--parallel.ep=2", "--data.micro_batch_size=8"]
@@ -21,20 +20,12 @@ TOTAL, ROUTED = 6_171_520, 4 * 8 * 3 * 128 * 96  # four MoE blocks of 8 experts 
 
 def first_lines(monkeypatch, overrides: list[str], world: int) -> list[str]:
     """The lines announce logs for the demo's config with ``overrides`` on ``world`` ranks."""
-    config = load_config("configs/demo-cpu.toml", overrides)
+    config = load_config(str(REPO / "configs" / "demo-cpu.toml"), overrides)
     monkeypatch.setattr(loop.dist, "get_world_size", lambda: world)
     monkeypatch.setattr(loop.parallel_state, "get_data_parallel_world_size", lambda: world)
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("pretrain")
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
-        loop.announce(config, ParameterCount(total=TOTAL, routed=ROUTED), 0, None)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    lines: list[str] = []  # what announce logs, whatever another test did to logging
+    monkeypatch.setattr(loop.log, "info", lambda message, *args: lines.append(message % args))
+    loop.announce(config, ParameterCount(total=TOTAL, routed=ROUTED), 0, None)
     return lines
 
 
