@@ -31,12 +31,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bench.common import random_batch, versions_line
+from bench.common import one_process, random_batch, versions_line
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from pretrain.data import record
 from pretrain.data.batch_ids import check_batch
-from runtime import cpu_compat, parallel
 from runtime.markdown import markdown_table
 
 VOCAB = 2048
@@ -150,12 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.clock == "cpu":
         torch.set_num_threads(1)
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig())
-        try:
-            checks = check_table(args)
-        finally:
-            parallel.destroy()
+    with one_process():
+        checks = check_table(args)
     print(f"device: CPU ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads); {versions_line()}\n")
     print(f"id check per micro-batch vs forward+backward of the demo model (siamese 6 x 128, "

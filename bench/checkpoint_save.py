@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 
-from bench.common import random_batch, versions_line
+from bench.common import one_process, random_batch, versions_line
 from model.builder import build_model, model_parameters, wrap_ddp
 from model.config import ModelConfig, ParallelConfig
 from pretrain.config import Config, RunConfig
 from pretrain.optim import build_optimizer
 from pretrain.run.saver import Saver
-from runtime import cpu_compat, parallel
 from runtime.markdown import markdown_table
 from runtime.schedule import forward_backward
 
@@ -120,15 +119,11 @@ def measure(args: argparse.Namespace, root: Path,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = []
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig())
-        try:
-            for distributed_optimizer in (True, False):
-                with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
-                    found, parameters = measure(args, Path(scratch), distributed_optimizer)
-                    rows += found
-        finally:
-            parallel.destroy()
+    with one_process():
+        for distributed_optimizer in (True, False):
+            with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
+                found, parameters = measure(args, Path(scratch), distributed_optimizer)
+                rows += found
     print(f"device: CPU ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads); {versions_line()}")
     print(f"siamese, {args.layers} x {args.hidden}, {args.heads} heads, SwiGLU {args.ffn}, "

@@ -6,9 +6,10 @@ docs are runtime.markdown's."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 
 import torch
@@ -28,6 +29,21 @@ def versions_line() -> str:
     return (f"torch {torch.__version__}{cuda}, megatron-core {package_version('megatron-core')}, "
             f"triton {package_version('triton')}, "
             f"transformer-engine {package_version('transformer-engine')}")
+
+
+@contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """megatron's process groups for this process alone (TP = PP = 1) on the scoped CPU layer,
+    closed however the benchmark ends: what a benchmark that builds megatron models runs in."""
+    from model.config import ParallelConfig
+    from runtime import cpu_compat, parallel
+
+    with cpu_compat.enabled():
+        parallel.initialize(ParallelConfig())
+        try:
+            yield
+        finally:
+            parallel.destroy()
 
 
 def random_batch(vocab: int, batch: int, seq: int, device: str | torch.device = "cpu",

@@ -24,11 +24,10 @@ import time
 
 import torch
 
-from bench.common import versions_line
+from bench.common import one_process, versions_line
 from model import compiled
 from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
-from runtime import cpu_compat, parallel
 from runtime.markdown import markdown_table
 
 
@@ -84,12 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as fresh:
         compiled.use_cache(args.cache or fresh)
-        with cpu_compat.enabled():
-            parallel.initialize(ParallelConfig())
-            try:
-                rows = [measure(args, s) for s in args.schemes.split(",")]
-            finally:
-                parallel.destroy()
+        with one_process():
+            rows = [measure(args, s) for s in args.schemes.split(",")]
     print(f"device: CPU ({platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads); {versions_line()}")
     print(f"{args.layers} layers x {args.hidden} hidden, {args.heads} heads, MLP "

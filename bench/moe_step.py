@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench.common import random_batch, versions_line
+from bench.common import one_process, random_batch, versions_line
 from bench.saved_activations import saved_bytes
 from runtime.markdown import markdown_table
 
@@ -89,19 +89,12 @@ def measure(args, scheme: str, experts: int) -> dict:
 
 
 def main(argv=None) -> None:
-    from model.config import ParallelConfig
-    from runtime import cpu_compat, parallel
-
     args = parse_args(argv)
     rows = []
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig())
-        try:
-            for scheme in args.schemes.split(","):
-                dense, moe = measure(args, scheme, 0), measure(args, scheme, args.experts)
-                rows.append((scheme, dense, moe))
-        finally:
-            parallel.destroy()
+    with one_process():
+        for scheme in args.schemes.split(","):
+            dense, moe = measure(args, scheme, 0), measure(args, scheme, args.experts)
+            rows.append((scheme, dense, moe))
     pre = next((moe for scheme, _, moe in rows if scheme == "pre"), None)
     print(versions_line())
     print(f"{args.layers} layers x {args.hidden}, {args.heads} heads, seq {args.seq}, batch "

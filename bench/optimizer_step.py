@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.common import random_batch, versions_line
+from bench.common import one_process, random_batch, versions_line
 from runtime.markdown import markdown_table
 
 
@@ -68,21 +68,14 @@ def measure(args, width: int, name: str) -> dict:
 
 
 def main(argv=None) -> None:
-    from model.config import ParallelConfig
-    from runtime import cpu_compat, parallel
-
     args = parse_args(argv)
     rows = []
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig())
-        try:
-            for width in map(int, args.widths.split(",")):
-                adamw, muon = (measure(args, width, name) for name in ("adamw", "muon"))
-                rows.append([f"{args.layers} x {width}", f"{adamw['parameters']:,}",
-                             f"{muon['muon']:,}", f"{adamw['ms']:.1f}", f"{muon['ms']:.1f}",
-                             f"{muon['ms'] / adamw['ms']:.1f}"])
-        finally:
-            parallel.destroy()
+    with one_process():
+        for width in map(int, args.widths.split(",")):
+            adamw, muon = (measure(args, width, name) for name in ("adamw", "muon"))
+            rows.append([f"{args.layers} x {width}", f"{adamw['parameters']:,}",
+                         f"{muon['muon']:,}", f"{adamw['ms']:.1f}", f"{muon['ms']:.1f}",
+                         f"{muon['ms'] / adamw['ms']:.1f}"])
     print(versions_line())
     print(f"{args.scheme}, SwiGLU 4 x width, fp32, {torch.get_num_threads()} threads; "
           f"optimizer.step() alone, median of {args.steps}\n")

@@ -27,7 +27,7 @@ import torch
 if not torch.cuda.is_available():  # the Triton norms run in the interpreter; Triton reads
     os.environ.setdefault("TRITON_INTERPRET", "1")  # this when a kernel module is imported
 
-from bench.common import random_batch, versions_line  # noqa: E402
+from bench.common import one_process, random_batch, versions_line  # noqa: E402
 from runtime.markdown import markdown_table  # noqa: E402
 
 SCHEMES = ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")
@@ -117,16 +117,9 @@ def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
 
 
 def main(argv=None) -> None:
-    from model.config import ParallelConfig
-    from runtime import cpu_compat, parallel
-
     args = parse_args(argv)
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig())
-        try:
-            results = [layer_bytes(args, s) for s in args.schemes.split(",")]
-        finally:
-            parallel.destroy()
+    with one_process():
+        results = [layer_bytes(args, s) for s in args.schemes.split(",")]
     base = next((r for r in results if r["scheme"] == "pre"), results[0])
     h = args.hidden
     print(versions_line())

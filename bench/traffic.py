@@ -57,7 +57,7 @@ import torch
 if not torch.cuda.is_available():  # the triton backend needs the interpreter to be chosen on
     os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU; no kernel runs here either way
 
-from bench.common import versions_line  # noqa: E402
+from bench.common import one_process, versions_line  # noqa: E402
 from bench.traffic_count import TrafficMode  # noqa: E402
 from runtime.markdown import markdown_table  # noqa: E402
 
@@ -282,16 +282,9 @@ def run(args, print_fn: Callable[[str], None] = print) -> dict[str, dict[str, di
 
 
 def main(argv=None) -> None:
-    from model.config import ParallelConfig
-    from runtime import cpu_compat, parallel
-
     args = parse_args(argv)
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig())
-        try:
-            run(args)
-        finally:
-            parallel.destroy()
+    with one_process():
+        run(args)
 
 
 if __name__ == "__main__":
