@@ -16,6 +16,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
@@ -84,8 +85,16 @@ def build_model(
     return chunks
 
 
-def wrap_ddp(chunks: list[GPTModel], parallel: ParallelConfig) -> list[DistributedDataParallel]:
-    """Wrap each chunk in megatron's DDP (gradient buffers, DP reduction, optimizer sharding)."""
+def wrap_ddp(chunks: list[GPTModel], parallel: ParallelConfig,
+             whole=None) -> list[DistributedDataParallel]:
+    """Wrap each chunk in megatron's DDP (gradient buffers, DP reduction, optimizer sharding).
+
+    ``whole``: a predicate naming the parameters an optimizer steps whole on one
+    data-parallel rank (Muon's matrices, :mod:`pretrain.muon`). Under the distributed
+    optimizer they get buffers of their own, laid out by megatron's layer-wise optimizer so
+    that each parameter lies inside one rank's shard of its bucket: the reduce-scatter then
+    leaves every owned matrix's whole gradient on its rank, and the all-gather after the step
+    brings its update to the others. The other parameters keep megatron's byte-level shards."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -96,12 +105,27 @@ def wrap_ddp(chunks: list[GPTModel], parallel: ParallelConfig) -> list[Distribut
             config=chunk.config, ddp_config=ddp_config, module=chunk,
             # Megatron-LM's rule: only the first chunk's buffers are bucketed.
             disable_bucketing=index > 0,
+            full_param_layout=_whole_layout(chunk, ddp_config, whole),
         )
         for index, chunk in enumerate(chunks)
     ]
     wrapped[0].config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 \
         else wrapped[0].no_sync
     return wrapped
+
+
+def _whole_layout(chunk, ddp_config: DistributedDataParallelConfig, whole):
+    """megatron's layer-wise buffer layout of ``chunk`` (see :func:`wrap_ddp`), or None: DDP's
+    own layout. Bucketing is off (no overlapped reduction), so one bucket per buffer."""
+    if whole is None or not ddp_config.use_distributed_optimizer:
+        return None
+    params = [p for _, p in chunk.named_parameters() if p.requires_grad]
+    for param in params:
+        param.is_managed_by_layer_wise_optimizer = whole(param)
+    return LayerWiseDistributedOptimizer.compute_full_param_layout(
+        params, None, parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        ddp_config,
+        expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
 
 
 def count_parameters(chunks) -> int:

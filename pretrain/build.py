@@ -17,11 +17,11 @@ from typing import NamedTuple
 import torch
 from megatron.core.transformer.module import Float16Module
 
-from model import compiled
+from model import compiled, decay
 from model.backends import AttentionBackend
 from model.builder import build_model, wrap_ddp
 from model.config import ModelConfig
-from pretrain.config import Config, ParamsDtype
+from pretrain.config import Config, OptimName, ParamsDtype
 from pretrain.data.checks import Data, check_data
 from pretrain.data.tokenizer import Tokenizer, open_tokenizer
 from pretrain.report import console
@@ -103,4 +103,5 @@ def setup(config: Config) -> list:
         compiled.compile_blocks(chunks, k.compile_backend.value, k.cuda_graphs)
     if dtype == torch.bfloat16:  # bf16 weights, fp32 logits for the loss (as Megatron-LM)
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    return wrap_ddp(chunks, config.parallel)
+    whole = decay.muon_matrix if config.optim.name is OptimName.MUON else None
+    return wrap_ddp(chunks, config.parallel, whole)

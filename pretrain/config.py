@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kernels.backend import NormBackend
+from model.backends import TransformerImpl
 from model.config import ModelConfig, ParallelConfig, coerce_choices, require, validate_layout
 from pretrain.paths import require_creatable, require_file, require_folder
 from runtime.errors import ConfigError, DataError, Findings, UserError
@@ -877,16 +878,15 @@ def _validate_muon(o: OptimConfig, found: Findings) -> None:
 
 
 def _validate_muon_layout(config: Config, found: Findings) -> None:
-    """What Muon does not support yet (docs/limits.md): megatron's distributed optimizer, whose
-    shards cut matrices that Muon orthogonalises whole, and experts."""
-    if config.optim.name is not OptimName.MUON:
+    """What Muon does not support yet (docs/limits.md): routed experts on Transformer Engine's
+    grouped GEMM, whose per-expert weights are not the block linears Muon steps (they would
+    silently stay with AdamW). With ``auto`` the build refuses them where TE is chosen."""
+    if config.optim.name is not OptimName.MUON or not config.model.num_experts:
         return
-    found.require(not config.parallel.distributed_optimizer,
-                  "optim.name muon does not support parallel.distributed_optimizer yet: set "
-                  "--parallel.distributed_optimizer=false")
-    found.require(not config.model.num_experts, f"optim.name muon does not support "
-                  f"model.num_experts ({config.model.num_experts}) > 0 yet: train experts with "
-                  "optim.name adamw")
+    found.require(config.model.transformer_impl is not TransformerImpl.TE,
+                  "optim.name muon does not step the routed experts of "
+                  "model.transformer_impl te (Transformer Engine's grouped GEMM) yet: set "
+                  "--model.transformer_impl=local")
 
 
 def _validate_data(config: Config, found: Findings) -> bool:

@@ -38,10 +38,12 @@ from megatron.core.optimizer import (
     _get_megatron_optimizer_based_on_param_groups,
     _get_param_groups,
 )
+from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
+from megatron.core.utils import get_pg_rank
 
 from model import decay
 from runtime.errors import ConfigError
@@ -178,12 +180,18 @@ MARK = {"optimizer": "muon"}
 
 
 def build(config, chunks, optimizer_config: OptimizerConfig, overrides: dict):
-    """megatron's AdamW for the parameters that are not Muon's, chained with a megatron
-    wrapper around :class:`MatrixMuon` for those that are (``config``: the run's Config)."""
+    """megatron's AdamW for the parameters that are not Muon's, chained with megatron wrappers
+    around :class:`MatrixMuon` for those that are (``config``: the run's Config).
+
+    Each optimizer comes in two, as megatron's own chain does: one for the dense parameters,
+    one for the routed experts' (stepped with their own data-parallel and tensor-parallel
+    groups). Under the distributed optimizer AdamW keeps megatron's byte-level shards and the
+    Muon matrices go to megatron's ``LayerWiseDistributedOptimizer``: each data-parallel rank
+    steps the whole matrices the buffer layout gave it (:func:`model.builder.wrap_ddp`) and
+    keeps their momentum only, and the updated weights reach the other ranks through DDP's
+    parameter all-gather."""
     o = config.optim
-    if optimizer_config.use_distributed_optimizer:  # a Config built without validation
-        raise ConfigError("optim.name muon does not support parallel.distributed_optimizer "
-                          "yet: set --parallel.distributed_optimizer=false")
+    _require_sequential_experts(chunks)
     mark_parts(chunks)
     peak, final = peak_and_final_lr(o)
     muon_key = ParamKey(predicate=ParamPredicate(name="muon", fn=decay.muon_matrix))
@@ -191,25 +199,105 @@ def build(config, chunks, optimizer_config: OptimizerConfig, overrides: dict):
                                          "start_wd": o.muon_weight_decay,
                                          "end_wd": o.muon_weight_decay}}
     groups = _get_param_groups(chunks, optimizer_config, overrides)
-    muon_groups = [g for g in groups if g.get("optimizer") == MARK["optimizer"]]
     processes = ProcessGroupCollection.use_mpu_process_groups()
-    adam = _get_megatron_optimizer_based_on_param_groups(
-        config=optimizer_config, model_chunks=chunks,
-        param_groups=[g for g in groups if g.get("optimizer") != MARK["optimizer"]],
-        model_parallel_group=processes.mp, pg_collection=processes)
-    muon = MatrixMuon(muon_groups, tp_group=processes.tp, lr=peak,
-                      weight_decay=o.muon_weight_decay, momentum=o.muon_momentum,
-                      nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
-                      adjust_lr_fn=str(o.muon_adjust_lr_fn))
-    if optimizer_config.bf16:
-        wrapped = Float16OptimizerWithFloat16Params(muon, optimizer_config, None, _init_momentum)
-        for model_params, main_params in zip(wrapped.float16_groups,
-                                             wrapped.fp32_from_float16_groups, strict=True):
-            for model_param, main_param in zip(model_params, main_params, strict=True):
-                if hasattr(model_param, PARTS):
-                    setattr(main_param, PARTS, getattr(model_param, PARTS))
-    else:
-        wrapped = FP32Optimizer(muon, optimizer_config, _init_momentum)
-    wrapped.grad_stats_parallel_group = processes.mp
-    wrapped.tp_group = wrapped.expert_tp_group = processes.tp
-    return ChainedOptimizer([adam, wrapped])
+    matrices = []
+    for expert in (False, True):
+        mine = [g for g in groups if _is_muon(g) and g["is_expert_parallel"] == expert]
+        if mine:
+            tp = processes.expt_tp if expert else processes.tp
+            matrices.append((MatrixMuon(
+                mine, tp_group=tp, lr=peak, weight_decay=o.muon_weight_decay,
+                momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
+                adjust_lr_fn=str(o.muon_adjust_lr_fn)), expert))
+    adams = _adams(optimizer_config, chunks, [g for g in groups if not _is_muon(g)])
+    if optimizer_config.use_distributed_optimizer:
+        sharded = LayerWiseDistributedOptimizer(
+            [muon if optimizer_config.bf16 else _NestedFP32(muon, optimizer_config,
+                                                            _init_momentum)
+             for muon, _ in matrices], optimizer_config, processes,
+            init_state_fn_list=[_init_momentum] * len(matrices), model_chunks=chunks)
+        for inner in sharded.chained_optimizers:
+            _carry_parts(inner)
+        return ChainedOptimizer([*adams, sharded])
+    wrapped = []
+    for muon, expert in matrices:
+        inner = (Float16OptimizerWithFloat16Params(muon, optimizer_config, None, _init_momentum)
+                 if optimizer_config.bf16 else FP32Optimizer(muon, optimizer_config,
+                                                             _init_momentum))
+        _carry_parts(inner)
+        inner.grad_stats_parallel_group = processes.tp_ep_pp if expert else processes.mp
+        inner.tp_group = inner.expert_tp_group = processes.expt_tp if expert else processes.tp
+        wrapped.append(inner)
+    return ChainedOptimizer([*adams, *wrapped])
+
+
+def _require_sequential_experts(chunks) -> None:
+    """Refuse routed experts on Transformer Engine's grouped GEMM (``model.transformer_impl``
+    auto where TE is installed): their per-expert weights are not block linears, so Muon would
+    leave them to AdamW without a word. megatron's SequentialMLP holds each expert as an MLP of
+    its own, which :func:`mark_parts` and the parameter registry see."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if type(module).__name__ == "TEGroupedMLP":
+                raise ConfigError(
+                    "optim.name muon does not step the routed experts of Transformer Engine's "
+                    "grouped GEMM (model.transformer_impl auto chose te) yet: set "
+                    "--model.transformer_impl=local")
+
+
+class _NestedFP32(FP32Optimizer):
+    """megatron's fp32 wrapper with its checkpoint state under "optimizer", where the bf16
+    wrapper keeps it and where ``LayerWiseDistributedOptimizer``'s checkpoint code reads it
+    (megatron builds the layer-wise optimizer for bf16 runs only; fp32 runs are ours)."""
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+        return {"optimizer": super().sharded_state_dict(model_sharded_state_dict, is_loading,
+                                                        metadata)}
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict["optimizer"])
+
+
+def _is_muon(group: dict) -> bool:
+    return group.get("optimizer") == MARK["optimizer"]
+
+
+def _carry_parts(inner) -> None:
+    """The parts of a fused weight (:data:`PARTS`) on its fp32 main copy too (bf16 runs)."""
+    for model_params, main_params in zip(getattr(inner, "float16_groups", []),
+                                         getattr(inner, "fp32_from_float16_groups", []),
+                                         strict=True):
+        for model_param, main_param in zip(model_params, main_params, strict=True):
+            if hasattr(model_param, PARTS):
+                setattr(main_param, PARTS, getattr(model_param, PARTS))
+
+
+def _adams(optimizer_config: OptimizerConfig, chunks, groups: list[dict]) -> list:
+    """megatron's AdamW for ``groups`` as ``get_megatron_optimizer`` builds it: the dense
+    parameters' and the routed experts', each with its process groups; under the distributed
+    optimizer over DDP's buffers of these parameters only (not the layer-wise Muon ones)."""
+    found = ProcessGroupCollection.setup_process_groups_for_optimizer(None, chunks, True)
+    adams = []
+    for expert in (False, True):
+        mine = [g for g in groups if g["is_expert_parallel"] == expert]
+        if not mine and expert:
+            continue
+        buffer_name = "expert_parallel_buffers" if expert else "buffers"
+        buffers = {index: [b for b in getattr(chunk, buffer_name) if not _layer_wise(b)]
+                   for index, chunk in enumerate(chunks)}
+        mp = found["expt_tp_pp_with_egtp_remat_group" if expert else "mp_group"]
+        adams.append(_get_megatron_optimizer_based_on_param_groups(
+            config=optimizer_config, model_chunks=chunks, param_groups=mine,
+            per_model_buffers=buffers, model_parallel_group=mp,
+            data_parallel_group=found["intra_expt_dp_group" if expert else "intra_dp_cp_group"],
+            data_parallel_group_gloo=found["intra_expt_dp_group_gloo" if expert
+                                           else "intra_dp_cp_group_gloo"],
+            data_parallel_group_idx=get_pg_rank(mp),
+            intra_dist_opt_group=found["intra_dist_opt_group"],
+            distributed_optimizer_instance_id=0))
+    return adams
+
+
+def _layer_wise(buffer) -> bool:
+    return bool(buffer.params) and getattr(buffer.params[0],
+                                           "is_managed_by_layer_wise_optimizer", False)

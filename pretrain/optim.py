@@ -228,9 +228,15 @@ def _param_group_lists(state) -> list[list[dict]]:
 
 
 def _torch_optimizers(optimizer):
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(inner, "optimizer", None) is not None:
-            yield inner, inner.optimizer
+    """Each megatron optimizer wrapping a torch one, and that torch optimizer, through chains
+    within chains (Muon's layer-wise distributed optimizer is a chain inside the chain)."""
+    chain = getattr(optimizer, "chained_optimizers", None)
+    if chain is None:
+        if getattr(optimizer, "optimizer", None) is not None:
+            yield optimizer, optimizer.optimizer
+        return
+    for inner in chain:
+        yield from _torch_optimizers(inner)
 
 
 def prime_state(optimizer) -> None:

@@ -1,6 +1,6 @@
 """optim.name muon's settings: each mistake one line naming the field, the rule and the value;
-a Muon setting given to an AdamW run is refused rather than silently ignored; the layouts Muon
-does not support yet are named (docs/limits.md)."""
+a Muon setting given to an AdamW run is refused rather than silently ignored; what Muon does
+not support yet is named (docs/limits.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from pretrain.config import MUON_FIELDS, MuonAdjustLr, OptimConfig, OptimName, load_config
 from runtime.errors import ConfigError
 
-MUON = ("--optim.name=muon", "--parallel.distributed_optimizer=false")
+MUON = ("--optim.name=muon",)
 
 
 def _errors(*overrides: str) -> list[str]:
@@ -51,13 +51,13 @@ def test_every_muon_field_given_to_adamw_is_named():
                         "--optim.name=muon or remove it")
 
 
-def test_the_layouts_muon_does_not_support_yet_are_refused():
-    assert _errors("--optim.name=muon") == [
-        "optim.name muon does not support parallel.distributed_optimizer yet: set "
-        "--parallel.distributed_optimizer=false"]
-    assert _errors(*MUON, "--model.num_experts=4") == [
-        "optim.name muon does not support model.num_experts (4) > 0 yet: train experts with "
-        "optim.name adamw"]
+def test_muon_takes_the_distributed_optimizer_and_experts_but_not_te_grouped_experts():
+    config = load_config(None, [*MUON, "--parallel.distributed_optimizer=true",
+                                "--model.num_experts=4", "--model.transformer_impl=local"])
+    assert config.parallel.distributed_optimizer and config.model.num_experts == 4
+    assert ("optim.name muon does not step the routed experts of model.transformer_impl te "
+            "(Transformer Engine's grouped GEMM) yet: set --model.transformer_impl=local"
+            in _errors(*MUON, "--model.num_experts=4", "--model.transformer_impl=te"))
 
 
 def test_a_resume_with_the_other_optimizer_is_refused_before_a_tensor_is_read():
@@ -67,7 +67,8 @@ def test_a_resume_with_the_other_optimizer_is_refused_before_a_tensor_is_read():
     from runtime.errors import CheckpointError
 
     config = load_config(None, list(MUON))
-    settings = {"parallel": {"distributed_optimizer": False}, "optim": {"lr": 3e-4}}
+    settings = {"parallel": {"distributed_optimizer": config.parallel.distributed_optimizer},
+                "optim": {"lr": 3e-4}}
     with pytest.raises(CheckpointError) as refused:
         identity.check_optimizer_layout(settings, config, "runs/a/checkpoints/step_00000004")
     assert str(refused.value) == (

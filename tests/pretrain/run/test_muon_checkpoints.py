@@ -1,0 +1,87 @@
+"""Checkpoints of a Muon run through the real CLI, with the template's distributed optimizer:
+two data-parallel ranks (each stepping the whole matrices it owns and keeping their momentum
+only) take the one-process losses, their checkpoint resumes in one process and under TP=2
+(each rank then holding half of every matrix and of its momentum), the one-process
+checkpoint resumes on two ranks, each carrying on with the uninterrupted run's losses, and a
+SIGKILL in the middle of a save costs nothing: the resumed run repeats every loss bit for
+bit."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.pretrain_fixtures import cli, run_logged, train_args, train_losses
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 6, 3
+COMMON = ["--optim.name=muon", f"--run.steps={STEPS}", f"--run.save_interval={EVERY}",
+          "--run.eval_interval=100", "--data.valid_samples=0"]
+SAVED = [f"step_{s:08d}" for s in range(EVERY, STEPS + 1, EVERY)]
+# Muon orthogonalises in bf16 (torch's Newton-Schulz): a gradient summed in another order
+# over two ranks can round an entry of the update the other way, so layouts agree to 1e-5
+# of the loss, not bit for bit (tests/runtime/test_muon_parity.py holds the weights to 1e-5).
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def single(data, tmp_path_factory):
+    """The run in one process, saving every 3 steps."""
+    run = tmp_path_factory.mktemp("muon") / "run"
+    cli(*train_args(data, run, *COMMON))
+    return run
+
+
+def resumed_from(source: Path, run: Path) -> Path:
+    """A run folder ``run`` holding ``source``'s checkpoint of step 3 alone."""
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(source / "checkpoints" / SAVED[0], run / "checkpoints" / SAVED[0])
+    return run
+
+
+def assert_carries_on(run: Path, uninterrupted: dict[int, float], name: str) -> None:
+    resumed = train_losses(run)
+    assert sorted(resumed) == list(range(EVERY + 1, STEPS + 1)), (name, resumed)
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=REL), (name, step)
+
+
+def test_two_ranks_take_one_process_losses_and_their_checkpoint_reshards(data, single,
+                                                                         tmp_path):
+    dp2 = tmp_path / "dp2"
+    cli(*train_args(data, dp2, *COMMON), nproc=2)
+    reference, losses = train_losses(single), train_losses(dp2)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=REL), ("dp2", step)
+    one = resumed_from(dp2, tmp_path / "one-process")
+    cli(*train_args(data, one, *COMMON))
+    assert_carries_on(one, reference, "dp2 -> one process")
+    tp2 = resumed_from(dp2, tmp_path / "tp2")
+    cli(*train_args(data, tp2, *COMMON, "--parallel.tp=2"), nproc=2)
+    assert_carries_on(tp2, reference, "dp2 -> tp2")
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(data, single, tmp_path):
+    run = resumed_from(single, tmp_path / "dp2")
+    cli(*train_args(data, run, *COMMON), nproc=2)
+    assert_carries_on(run, train_losses(single), "one process -> dp2")
+
+
+def test_sigkill_during_a_save_resumes_every_loss_exactly(data, single, tmp_path):
+    """Killed after megatron wrote step 6's tensors, before the checkpoint was complete: the
+    run resumes from step 3 and repeats the uninterrupted losses bit for bit (the momenta
+    and the AdamW moments restored)."""
+    run = tmp_path / "run"
+    args = train_args(data, run, *COMMON)
+    code = run_logged("tests.kill_in_save", [str(STEPS), *args], tmp_path / "killed.log",
+                      timeout=240)
+    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
+    assert (run / "checkpoints" / "latest").read_text() == SAVED[0]
+    cli(*args)
+    assert train_losses(run) == train_losses(single)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == SAVED
