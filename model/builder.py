@@ -128,15 +128,15 @@ def _whole_layout(chunk, ddp_config: DistributedDataParallelConfig, whole):
         expert_data_parallel_world_size=parallel_state.get_expert_data_parallel_world_size())
 
 
-def count_parameters(chunks) -> int:
+def count_parameters(chunks, where=None) -> int:
     """This rank's share of the whole model's parameters: summed over the tensor- and
     pipeline-parallel ranks it gives each parameter once, whatever the layout. A tensor
     replicated on every TP rank (norm weights, biases of row-parallel linears) counts on TP
     rank 0 only (a routed expert's on expert-TP rank 0); the last pipeline stage's copy of
     tied embeddings (megatron marks it ``shared``) and a tensor tied within the rank count
     once. The routed experts' share is summed over the expert-parallel ranks too
-    (:func:`model_parameters`)."""
-    return sum(param.numel() for param in _counted(chunks))
+    (:func:`model_parameters`). ``where``: count only the parameters it holds true for."""
+    return sum(param.numel() for param in _counted(chunks) if where is None or where(param))
 
 
 def _counted(chunks):

@@ -52,14 +52,16 @@ class ParameterCount:
         return self.total - self.routed * skipped // model.num_experts
 
 
-def parameter_count(chunks) -> ParameterCount:
+def parameter_count(chunks, where=None) -> ParameterCount:
     """This rank's :class:`ParameterCount`; summed over the TP and PP ranks (and, for the
-    routed experts, the expert-parallel ranks) it is the whole model's."""
+    routed experts, the expert-parallel ranks) it is the whole model's. ``where``: count only
+    the parameters it holds true for (e.g. those an optimizer steps)."""
     routed = {id(p): p for chunk in chunks for module in chunk.modules()
               if isinstance(module, MoELayer) for p in module.experts.parameters()}
-    return ParameterCount(total=count_parameters(chunks), routed=sum(
+    return ParameterCount(total=count_parameters(chunks, where), routed=sum(
         p.numel() for p in routed.values()
-        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)))
+        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+        and (where is None or where(p))))
 
 
 def whole_model_count(chunks) -> ParameterCount:

@@ -60,6 +60,17 @@ def build_optimizer(config: Config, chunks: list, params_dtype: torch.dtype):
     return optimizer, scheduler
 
 
+def step_lrs(optimizer) -> dict[str, float]:
+    """The learning rates this step applies, as the metrics name them: AdamW's ("lr") and,
+    with Muon, its matrices' ("muon_lr"; it differs from lr where optim.muon_lr is set)."""
+    groups = optimizer.param_groups
+    rates = {"lr": next(g["lr"] for g in groups if g.get("optimizer") != muon.MARK["optimizer"])}
+    matrices = [g["lr"] for g in groups if g.get("optimizer") == muon.MARK["optimizer"]]
+    if matrices:
+        rates["muon_lr"] = matrices[0]
+    return rates
+
+
 def decay_overrides() -> dict:
     """megatron's parameter-group overrides: weight decay only where a parameter's role says
     so (``model.decay``: weight matrices), instead of megatron's shape rule, which decays a

@@ -254,9 +254,10 @@ MUON_STATE = 8
 """Bytes of optimizer state per parameter Muon steps: fp32 main weight and one fp32 momentum."""
 
 
-def parameter_count(model: ModelConfig, seed: int) -> tuple[ParameterCount, int]:
-    """Parameters of the whole model, the routed experts' share of them, and the parameters
-    ``optim.name = "muon"`` would step with Muon (the block linears: ``model.decay``), from a
+def parameter_count(model: ModelConfig, seed: int) -> tuple[ParameterCount, ParameterCount]:
+    """Parameters of the whole model and the routed experts' share of them, and the same of
+    the parameters ``optim.name = "muon"`` would step with Muon (the block linears and each
+    expert's: ``model.decay``), from a
     build on the meta device (shapes only: a 15B model costs no memory) in a one-rank group
     opened and closed here."""
     with cpu_compat.enabled():
@@ -264,35 +265,39 @@ def parameter_count(model: ModelConfig, seed: int) -> tuple[ParameterCount, int]
         try:
             with torch.device("meta"):
                 chunks = build_model(model, ParallelConfig(), norm_backend=NormBackend.TORCH)
-                muon = sum(param.numel() for chunk in chunks for param in chunk.parameters()
-                           if decay.muon_matrix(param))
-                return model_parameter_count(chunks), muon
+                return (model_parameter_count(chunks),
+                        model_parameter_count(chunks, decay.muon_matrix))
         finally:
             parallel.destroy()
 
 
 def state_bytes_per_gpu(config: Config, params: ParameterCount, world: int,
-                        muon: int = 0) -> float:
+                        muon: ParameterCount | None = None) -> float:
     """Weights, gradients and optimizer state on one GPU, in bytes: bf16 weights (2 B), fp32
     gradients (4 B), fp32 main weights and Adam moments (:data:`ADAM_STATE`, divided over the
     data-parallel ranks with the distributed optimizer). With ``optim.name = "muon"`` the
-    ``muon`` parameters Muon steps keep one momentum instead (:data:`MUON_STATE`; Muon runs
-    without the distributed optimizer and without experts). The routed experts split over etp x
-    ep x pp ranks and their optimizer state over the expert data-parallel ranks (world / (etp x
-    ep x pp)), the rest over tp x pp and dp, as megatron lays them out (Megatron-LM's
-    ``theoretical_memory_usage`` counts them so). Muon's transient whole matrices (a TP
-    shard's gathered weight, gradient and momentum while it steps) are not counted."""
+    ``muon`` parameters Muon steps keep one momentum instead (:data:`MUON_STATE`); with the
+    distributed optimizer each data-parallel rank keeps that of the whole matrices it owns,
+    about 1/dp of them (megatron packs them to balance the ranks). The routed experts split
+    over etp x ep x pp ranks and their optimizer state over the expert data-parallel ranks
+    (world / (etp x ep x pp)), the rest over tp x pp and dp, as megatron lays them out
+    (Megatron-LM's ``theoretical_memory_usage`` counts them so). Muon's transient whole
+    matrices (a TP shard's gathered weight, gradient and momentum while it steps) are not
+    counted."""
     p = config.parallel
-    muon = muon if config.optim.name is OptimName.MUON else 0
+    if muon is None or config.optim.name is not OptimName.MUON:
+        muon = ParameterCount(total=0, routed=0)
 
     def per_parameter(dp: int, state: int = ADAM_STATE) -> float:
         return 2 + 4 + state / (dp if p.distributed_optimizer else 1)
 
     dp = world // (p.tp * p.pp)
     expert_group = p.expert_tp * p.ep * p.pp
-    return ((params.dense - muon) / (p.tp * p.pp) * per_parameter(dp)
-            + muon / (p.tp * p.pp) * per_parameter(dp, MUON_STATE)
-            + params.routed / expert_group * per_parameter(world // expert_group))
+    expert_dp = world // expert_group
+    return ((params.dense - muon.dense) / (p.tp * p.pp) * per_parameter(dp)
+            + muon.dense / (p.tp * p.pp) * per_parameter(dp, MUON_STATE)
+            + (params.routed - muon.routed) / expert_group * per_parameter(expert_dp)
+            + muon.routed / expert_group * per_parameter(expert_dp, MUON_STATE))
 
 
 # Above the resolved config: a comment, so the printed config stays TOML a user can copy.
@@ -384,8 +389,8 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         f"of {count(d.micro_batch_size, 'sequence')} per data-parallel rank",
         *steps,
         f"memory per GPU for weights, grads and optimizer state: {weights_gb:.1f} GiB"
-        + (f" (Muon: one momentum for the block matrices' {muon:,} parameters, AdamW's two "
-           "moments for the rest)" if config.optim.name is OptimName.MUON else ""),
+        + (f" (Muon: one momentum for the block matrices' {muon.total:,} parameters, AdamW's "
+           "two moments for the rest)" if config.optim.name is OptimName.MUON else ""),
         fusions.line(config),
         f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
         f"total about {weights_gb + activations_gb:.1f} GiB",

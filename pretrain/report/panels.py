@@ -145,6 +145,16 @@ def _single(metrics: RunMetrics, key: str, name: str, title: str, ylabel: str,
     return Figure(name, title, (Plot("", ylabel, (Curve(key, key),), log_y=log_y),))
 
 
+def _learning_rates(metrics: RunMetrics) -> Figure | None:
+    """AdamW's LR and, with Muon, its matrices' (one curve each)."""
+    if not metrics.has("lr"):
+        return None
+    curves = [Curve("lr", "AdamW" if metrics.has("muon_lr") else "lr")]
+    if metrics.has("muon_lr"):
+        curves.append(Curve("muon_lr", "Muon"))
+    return Figure("lr", "Learning rate", (Plot("", "learning rate", tuple(curves)),))
+
+
 def _throughput(metrics: RunMetrics) -> Figure | None:
     plots = []
     if metrics.has("tokens_per_s"):
@@ -277,7 +287,7 @@ def figures(metrics: RunMetrics, info: RunInfo, smooth: int = 0) -> list[Figure]
     """The report's figures, in the order the page shows them."""
     found = [
         _loss(metrics, smooth),
-        _single(metrics, "lr", "lr", "Learning rate", "learning rate"),
+        _learning_rates(metrics),
         _single(metrics, "grad_norm", "grad_norm", "Gradient norm",
                 "gradient L2 norm (before clipping)", log_y=True),
         _throughput(metrics),

@@ -36,6 +36,8 @@ def clock(seconds: float) -> str:
 def fields(record: dict) -> str:
     """The step's numbers, as the live line's postfix and the plain line's tail."""
     parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}"]
+    if record.get("muon_lr") not in (None, record["lr"]):  # optim.muon_lr set
+        parts.append(f"muon_lr {record['muon_lr']:.2e}")
     if record.get("grad_norm") is not None:
         parts.append(f"grad_norm {record['grad_norm']:.3f}")
     parts.append(f"{record['tokens_per_s']:,.0f} tok/s")

@@ -38,7 +38,7 @@ from pretrain.data.position import DataPosition
 from pretrain.data.prefetch import Prefetcher
 from pretrain.data.tokenizer import Tokenizer
 from pretrain.hf import llama as hf_llama
-from pretrain.optim import build_optimizer
+from pretrain.optim import build_optimizer, step_lrs
 from pretrain.report import console
 from pretrain.report.metrics import MetricsLogger, is_logging_rank
 from pretrain.report.model_summary import expert_layout_text, sizes_text
@@ -268,7 +268,7 @@ class Training:
             if routers:
                 routers.step_begins()
             with self.profiler.step(step + 1):  # a trace, and a snapshot on out-of-memory
-                status, verdict, lr, grad_norm = self.step(step, diag)
+                status, verdict, lrs, grad_norm = self.step(step, diag)
             step += 1
             self.watchdog.step_done(step)
             if self.recompiles and step > self.begin.position.step + 1:
@@ -280,7 +280,7 @@ class Training:
             record = None
             if step % r.log_interval == 0 or step == r.steps:
                 record = {"step": step, "consumed_tokens": self.at(step).tokens,
-                          "loss": status.loss, "lr": lr,
+                          "loss": status.loss, **lrs,
                           "grad_norm": float(grad_norm) if grad_norm is not None else None,
                           "skipped_steps": self.guard.skipped,
                           "skipped_spikes": self.guard.spikes,
@@ -336,7 +336,7 @@ class Training:
                                                             d.micro_batch_size),
                                       config.seq_length, d.micro_batch_size)
         status = step_status(losses, self.chunks, self.stop)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        lrs = step_lrs(self.optimizer)  # the rates this step applies
         verdict = self.guard.judge_loss(status.loss, status.finite)
         grad_norm = float("nan")
         if verdict is Verdict.UPDATE:
@@ -348,7 +348,7 @@ class Training:
             else:
                 self.scheduler.step(increment=1)
         self.guard.record(verdict, status.loss, grad_norm)
-        return status, verdict, lr, grad_norm
+        return status, verdict, lrs, grad_norm
 
     def skip_text(self, verdict: Verdict, status: StepStatus, grad_norm: float) -> str:
         if verdict is Verdict.LOSS_SPIKE:

@@ -37,15 +37,23 @@ def test_state_bytes_split_dense_and_expert_parameters(overrides, world, expecte
 
 
 def test_muon_keeps_one_momentum_for_the_matrices_it_steps():
-    """optim.name muon (no distributed optimizer): 6,000 of 10,000 parameters are block
-    matrices, each with a main weight and one momentum (2 + 4 + 8 bytes), the rest AdamW's
-    (2 + 4 + 12); an AdamW run of the same model counts Adam's state for all."""
-    muon = load_config(None, [*SMALL, "--optim.name=muon",
-                              "--parallel.distributed_optimizer=false"], world_size=4)
+    """optim.name muon: 6,000 of 10,000 parameters are block matrices, each with a main weight
+    and one momentum (2 + 4 + 8 bytes), the rest AdamW's (2 + 4 + 12); an AdamW run of the same
+    model counts Adam's state for all. Under the distributed optimizer (dp 4) both states are
+    shared out; with experts (8,000 routed, 7,000 of them expert matrices, ep 4: expert dp 1)
+    each rank keeps its experts' whole state."""
+    count, muon = ParameterCount(total=10_000, routed=0), ParameterCount(total=6_000, routed=0)
+    whole = load_config(None, [*SMALL, "--optim.name=muon",
+                               "--parallel.distributed_optimizer=false"], world_size=4)
     adamw = load_config(None, [*SMALL, "--parallel.distributed_optimizer=false"], world_size=4)
-    count = ParameterCount(total=10_000, routed=0)
-    assert state_bytes_per_gpu(muon, count, 4, muon=6_000) == 4_000 * 18 + 6_000 * 14
-    assert state_bytes_per_gpu(adamw, count, 4, muon=6_000) == 10_000 * 18
+    assert state_bytes_per_gpu(whole, count, 4, muon) == 4_000 * 18 + 6_000 * 14
+    assert state_bytes_per_gpu(adamw, count, 4, muon) == 10_000 * 18
+    sharded = load_config(None, [*SMALL, "--optim.name=muon"], world_size=4)
+    assert state_bytes_per_gpu(sharded, count, 4, muon) == 4_000 * (6 + 3) + 6_000 * (6 + 2)
+    experts = load_config(None, [*MOE, "--optim.name=muon", "--parallel.ep=4"], world_size=4)
+    count, muon = ParameterCount(10_000, routed=8_000), ParameterCount(9_000, routed=7_000)
+    assert state_bytes_per_gpu(experts, count, 4, muon) == pytest.approx(
+        0 * 9 + 2_000 * (6 + 2) + 1_000 / 4 * 18 + 7_000 / 4 * 14, rel=1e-12)
 
 
 def test_the_moe_presets_state_on_8_32_and_64_gpus():

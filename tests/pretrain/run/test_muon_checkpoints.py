@@ -4,7 +4,7 @@ only) take the one-process losses, their checkpoint resumes in one process and u
 (each rank then holding half of every matrix and of its momentum), the one-process
 checkpoint resumes on two ranks, each carrying on with the uninterrupted run's losses, and a
 SIGKILL in the middle of a save costs nothing: the resumed run repeats every loss bit for
-bit."""
+bit, as a bf16 run on two ranks does after a resume."""
 
 from __future__ import annotations
 
@@ -85,3 +85,16 @@ def test_sigkill_during_a_save_resumes_every_loss_exactly(data, single, tmp_path
     cli(*args)
     assert train_losses(run) == train_losses(single)
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == SAVED
+
+
+def test_a_bf16_run_on_two_ranks_resumes_exactly(data, tmp_path):
+    """bf16 weights, fp32 main copies (megatron's mixed-precision wrapper inside the
+    layer-wise optimizer): two ranks' step-3 checkpoint, resumed on two ranks, repeats the
+    uninterrupted steps 4-6 bit for bit."""
+    bf16 = [*COMMON, "--run.params_dtype=bf16"]
+    whole = tmp_path / "whole"
+    cli(*train_args(data, whole, *bf16), nproc=2)
+    run = resumed_from(whole, tmp_path / "resumed")
+    cli(*train_args(data, run, *bf16), nproc=2)
+    uninterrupted = train_losses(whole)
+    assert train_losses(run) == {s: uninterrupted[s] for s in range(EVERY + 1, STEPS + 1)}

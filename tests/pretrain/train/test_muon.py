@@ -194,15 +194,19 @@ def test_a_muon_checkpoint_resumes_exactly(single_rank, tmp_path):
 
 @pytest.mark.slow  # the CLI, twice
 def test_the_cli_trains_with_muon_and_refuses_to_resume_with_adamw(data, tmp_path):
-    """The documented command (docs/training.md#muon) on the test corpus: a short run, its
-    optimizer recorded; a resume with the other optimizer is one line, exit 2."""
+    """The documented command (docs/training.md#muon) on the test corpus, with the template's
+    distributed optimizer and Muon's own LR (twice AdamW's): a short run, its optimizer
+    recorded, both LRs in the metrics and Muon's on the console; a resume with the other
+    optimizer is one line, exit 2."""
     run = tmp_path / "run"
-    muon = ("--optim.name=muon", "--parallel.distributed_optimizer=false", "--run.steps=3")
-    cli(*train_args(data, run, *muon))
+    steps = ("--run.steps=3",)
+    done = cli(*train_args(data, run, "--optim.name=muon", "--optim.muon_lr=6e-3", *steps))
     assert 'name = "muon"' in (run / "config.toml").read_text()
-    losses = [r["loss"] for r in metrics(run) if "loss" in r]
-    assert len(losses) == 3 and all(map(math.isfinite, losses)), losses
-    refused = cli(*train_args(data, run, *muon[1:], "--run.steps=4"), check=False)
+    records = [r for r in metrics(run) if "loss" in r]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records), records
+    assert [r["muon_lr"] for r in records] == pytest.approx([2 * r["lr"] for r in records])
+    assert records[-1]["lr"] > 0 and f"muon_lr {records[-1]['muon_lr']:.2e}" in done.stderr
+    refused = cli(*train_args(data, run, "--run.steps=4"), check=False)
     assert refused.returncode == 2
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds the optimizer state of optim.name=muon" in errors[0]
