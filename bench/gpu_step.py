@@ -85,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--norm-backend", default="auto", help="kernels.norm_backend")
     p.add_argument("--no-optimizer", action="store_true",
                    help="time forward+backward only (no optimizer state, no AdamW step)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="optim.name: AdamW, or Muon for the blocks' matrices and AdamW for the "
+                        "rest")
     p.add_argument("--unfused-optimizer", action="store_true",
                    help="optim.fused = false: megatron's own torch fallback (no TE/apex)")
     p.add_argument("--micro-batch", type=int, help=argparse.SUPPRESS)  # internal: the worker's
@@ -122,9 +125,10 @@ def build(args, scheme: str):
     """The model, DDP-wrapped as in training, its optimizer (or None) and the run config."""
     from megatron.core.transformer.module import Float16Module
 
+    from model import decay
     from model.builder import build_model, wrap_ddp
     from model.config import ModelConfig, ParallelConfig
-    from pretrain.config import Config, DataConfig, OptimConfig
+    from pretrain.config import Config, DataConfig, OptimConfig, OptimName
     from pretrain.optim import build_optimizer
 
     model_cfg = ModelConfig(
@@ -139,7 +143,8 @@ def build(args, scheme: str):
     )
     config = Config(model=model_cfg, parallel=ParallelConfig(recompute=args.recompute),
                     # a non-zero LR from the first step
-                    optim=OptimConfig(warmup_steps=0, fused=not args.unfused_optimizer),
+                    optim=OptimConfig(name=OptimName(args.optimizer), warmup_steps=0,
+                                      fused=not args.unfused_optimizer),
                     data=DataConfig(micro_batch_size=args.micro_batch,
                                     global_batch_size=args.micro_batch))
     torch.manual_seed(0)
@@ -149,7 +154,8 @@ def build(args, scheme: str):
         from model import compiled
 
         compiled.compile_blocks(chunks, args.compile, args.cuda_graphs)
-    chunks = wrap_ddp([Float16Module(c.config, c) for c in chunks], config.parallel)
+    whole = decay.muon_matrix if args.optimizer == "muon" else None  # as pretrain.build
+    chunks = wrap_ddp([Float16Module(c.config, c) for c in chunks], config.parallel, whole)
     optimizer = None
     if not args.no_optimizer:
         optimizer, _ = build_optimizer(config, chunks, torch.bfloat16)
@@ -331,7 +337,8 @@ def report(args, results: dict[tuple[str, int, str, str], dict]) -> None:
     setting."""
     first = next(iter(results.values()))
     kv = args.kv_heads or args.heads
-    step_kind = "fwd+bwd only" if args.no_optimizer else "fwd+bwd + AdamW step"
+    step_kind = ("fwd+bwd only" if args.no_optimizer else
+                 f"fwd+bwd + {'Muon and AdamW' if args.optimizer == 'muon' else 'AdamW'} step")
     optimizer = ("megatron's torch fallback (optim.fused off)" if args.unfused_optimizer
                  else "optim.fused")
     print(f"device: {first['device']}; {versions_line()}")

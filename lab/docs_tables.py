@@ -15,6 +15,8 @@ RUN_DIR as ``cpu-seeds-DATE.csv``, and RUN_DIR's two plots, then rewrites the ta
 ``--kind cpu-moe`` publishes the mixture-of-experts sweep (configs/sweep/cpu-moe.toml) the same
 way, as ``cpu-moe-DATE.csv`` and ``cpu-moe-seeds-DATE.csv`` with its plots prefixed
 ``cpu-moe-``; its table (main grid and seeds in one) is generated from those files.
+``--kind cpu-muon`` publishes the Muon sweep (configs/sweep/cpu-muon.toml) alike; its table
+sets its cells beside the dense sweep's AdamW cells of the same schemes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lab.report import COLUMNS, cell_text, scheme_key, slice_table, slices
+from lab.report import COLUMNS, best_row, cell_text, scheme_key, slice_table, slices
 from runtime.markdown import markdown_table, refresh_docs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,8 +39,8 @@ PLOTS = ("val_loss_vs_lr.png", "loss_curves.png")
 NUMBERS = {"layers": int, "warmup": int, "lr": float, "final_val_loss": float, "seed": int}
 
 
-KINDS = ("cpu", "cpu-moe")
-"""The published sweeps: the dense CPU sweep and the mixture-of-experts one."""
+KINDS = ("cpu", "cpu-moe", "cpu-muon")
+"""The published sweeps: the dense CPU sweep, the mixture-of-experts one and the Muon one."""
 
 
 def newest(kind: str, required: bool = True) -> Path | None:
@@ -135,6 +137,32 @@ def moe_block(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: st
             f"{seeds_table(seed_rows)}")
 
 
+def muon_block(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str,
+               adamw_rows: list[dict], adamw_name: str) -> str:
+    """The Muon sweep's main grid beside the dense sweep's AdamW cells of the same schemes,
+    depth and warm-up (each optimizer's best in bold), and the Muon seed check."""
+    fixed, muon = main_slice(rows)
+    schemes = sorted({r["scheme"] for r in muon}, key=scheme_key)
+    adamw = [r for r in adamw_rows if r["scheme"] in schemes and r["layers"] == fixed["layers"]
+             and r["warmup"] == fixed["warmup"]]
+    lrs = sorted({r["lr"] for r in muon + adamw})
+    table = []
+    for scheme in schemes:
+        for optimizer, cells in (("AdamW", adamw), ("Muon", muon)):
+            lookup = {r["lr"]: r for r in cells if r["scheme"] == scheme}
+            best = best_row(cells)
+            table.append([scheme, optimizer, *(
+                f"**{cell_text(lookup.get(lr))}**" if lookup.get(lr) is best and best
+                else cell_text(lookup.get(lr)) for lr in lrs)])
+    return (f"Muon from [{name}](sweep/{name}) ({len(rows)} cells, {_commits(rows)}), AdamW "
+            f"from [{adamw_name}](sweep/{adamw_name}); {fixed['layers']} blocks, warm-up "
+            f"{fixed['warmup']}, each optimizer's best in bold:\n\n"
+            + markdown_table(["scheme", "optimizer", *(f"lr {lr:g}" for lr in lrs)], table,
+                             right_from=2)
+            + f"\n\nMuon's seeds, from [{seeds_name}](sweep/{seeds_name}) "
+              f"({_commits(seed_rows)}):\n\n{seeds_table(seed_rows)}")
+
+
 def publish(run_dir: Path, seed_dirs: list[Path], date: str, kind: str = "cpu") -> None:
     rows = read_rows(run_dir / "results.csv")
     seed_rows = [r for d in seed_dirs for r in read_rows(d / "results.csv")]
@@ -172,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     if moe is not None and moe_seeds is not None:
         generated["lab-moe"] = moe_block(read_rows(moe), moe.name, read_rows(moe_seeds),
                                          moe_seeds.name)
+    muon, muon_seeds = newest("cpu-muon", required=False), newest("cpu-muon-seeds",
+                                                                   required=False)
+    if muon is not None and muon_seeds is not None:
+        generated["lab-muon"] = muon_block(read_rows(muon), muon.name, read_rows(muon_seeds),
+                                           muon_seeds.name, read_rows(path), path.name)
     return refresh_docs(DOCS, "sweep-results", generated, path.name,
                         args.write or bool(args.publish))
 

@@ -206,8 +206,13 @@ def moe(ctx: Context) -> dict:
 
 def optimizer(ctx: Context) -> dict:
     """pre at the 1.3B shape's full depth, micro-batch 1: the optimizer step at 1.2B+
-    parameters (the target's setting) and the full model's throughput."""
-    return measure_steps(ctx, ("pre",), 1, ctx.sizes.full_layers, 1)
+    parameters (the target's setting) and the full model's throughput; then the same with
+    optim.name muon (``muon``: torch.optim.Muon for the block matrices, AdamW for the rest)."""
+    data = measure_steps(ctx, ("pre",), 1, ctx.sizes.full_layers, 1)
+    ctx.save(data)
+    data["muon"] = measure_steps(ctx, ("pre",), 1, ctx.sizes.full_layers, 1,
+                                 extra=("--optimizer", "muon"))
+    return data
 
 
 def profile(ctx: Context) -> dict:

@@ -77,9 +77,12 @@ def _plain_norm(result: dict) -> list[str]:
 
 
 def _optimizer(result: dict) -> list[str]:
-    rows = [(r, result["optimizer"]) for r in result.get("optimizer", {}).get("rows", [])
-            if r.get("optimizer_ms") is not None]
-    return _at(rows[-1] if rows else None, lambda r: f"{r['optimizer_ms']:.1f} ms")
+    """AdamW's step against the target, Muon's beside it once measured."""
+    part = result.get("optimizer", {})
+    rows = [(r, part) for r in part.get("rows", []) if r.get("optimizer_ms") is not None]
+    muon = [r for r in part.get("muon", {}).get("rows", []) if r.get("optimizer_ms") is not None]
+    return _at(rows[-1] if rows else None, lambda r: f"{r['optimizer_ms']:.1f} ms" + (
+        f" (Muon: {muon[-1]['optimizer_ms']:.1f} ms)" if muon else ""))
 
 
 def _ratio(scheme: str, field: str) -> Callable[[dict], list[str]]:

@@ -135,7 +135,8 @@ SECTIONS = {"calibration": calibration, "tests": tests, "norms": norms,
             "moe": lambda d: steps("Mixture of experts (targets: siamese/pre step <= 1.005, "
                                    "activation <= 1.02)", d),
             "more_schemes": lambda d: steps("More schemes", d),
-            "optimizer": lambda d: steps("Optimizer step at the full depth", d),
+            "optimizer": lambda d: steps("Optimizer step at the full depth", d)
+            + (steps("The same with Muon (optim.name muon)", d["muon"]) if "muon" in d else []),
             "profile": lambda d: steps("Profile of siamese against pre", d),
             "kernel_alternatives": alternatives,
             "compiled": compiled}

@@ -185,6 +185,12 @@ def test_the_check_rehearsed_on_the_cpu_runs_every_part(tmp_path):
     # experts make the model larger than the dense step table's
     assert moe["pre"]["parameters"] > rows["pre"]["parameters"]
     assert "## Mixture of experts" in (out / "gpu-check.md").read_text()
+    # the optimizer part steps the full-depth model with AdamW, then with Muon
+    optimizer = result["optimizer"]
+    assert statuses["optimizer"] == "done", result["parts"]["optimizer"]
+    assert optimizer["rows"][0]["optimizer_ms"] > 0
+    assert optimizer["muon"]["rows"][0]["optimizer_ms"] > 0
+    assert "## The same with Muon" in (out / "gpu-check.md").read_text()
     assert (out / "gpu-check.md").read_text() == report.markdown(result)
 
 

@@ -1,10 +1,10 @@
-"""Checkpoints of a Muon run through the real CLI, with the template's distributed optimizer:
-two data-parallel ranks (each stepping the whole matrices it owns and keeping their momentum
-only) take the one-process losses, their checkpoint resumes in one process and under TP=2
-(each rank then holding half of every matrix and of its momentum), the one-process
-checkpoint resumes on two ranks, each carrying on with the uninterrupted run's losses, and a
-SIGKILL in the middle of a save costs nothing: the resumed run repeats every loss bit for
-bit, as a bf16 run on two ranks does after a resume."""
+"""Muon runs through the real CLI, with the template's distributed optimizer: two
+data-parallel ranks, and TP=2 x DP=2 on four, take the one-process losses (each data-parallel
+rank stepping the whole matrices it owns and keeping their momentum only); the two ranks'
+checkpoint resumes in one process and under TP=2 (each rank then holding half of every matrix
+and of its momentum), the one-process checkpoint resumes on two ranks, each carrying on with
+the uninterrupted run's losses; a SIGKILL in the middle of a save costs nothing (the resumed
+run repeats every loss bit for bit), and a bf16 run on two ranks resumes bit for bit too."""
 
 from __future__ import annotations
 
@@ -64,6 +64,18 @@ def test_two_ranks_take_one_process_losses_and_their_checkpoint_reshards(data, s
     tp2 = resumed_from(dp2, tmp_path / "tp2")
     cli(*train_args(data, tp2, *COMMON, "--parallel.tp=2"), nproc=2)
     assert_carries_on(tp2, reference, "dp2 -> tp2")
+
+
+def test_tp2_by_dp2_takes_one_process_losses(data, single, tmp_path):
+    """The documented torchrun command's layout (docs/training.md#muon): four ranks, TP=2 x
+    DP=2 under the distributed optimizer, each pair of TP peers stepping the whole matrices
+    its data-parallel rank owns."""
+    run = tmp_path / "tp2-dp2"
+    cli(*train_args(data, run, *COMMON, "--parallel.tp=2"), nproc=4)
+    reference, losses = train_losses(single), train_losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=REL), ("tp2 x dp2", step)
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(data, single, tmp_path):
