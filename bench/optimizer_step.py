@@ -3,7 +3,7 @@
 For each width, one two-stream model (``--scheme``, ``--layers`` blocks, SwiGLU 4 x width)
 with gradients from one forward and backward, then the time of ``optimizer.step()`` (median of
 ``--steps`` after 2 warm-up steps) with ``optim.name`` adamw and muon, as training builds them
-(``pretrain.optim.build_optimizer``; no distributed optimizer, which Muon does not take yet).
+(``pretrain.optim.build_optimizer``; one process, no distributed optimizer: nothing to shard).
 Muon's step is torch's Newton-Schulz in bf16 on each block matrix (QKV as Q, K and V, fc1 as
 its gate and up halves), AdamW's one fused update per parameter: on a CPU without bf16 matrix
 units the first is far slower, which says nothing of a GPU.
