@@ -4,7 +4,8 @@ A sublayer's entry reads x and y and writes u = Na(x) and s = Nc(Na(x) + Nb(y));
 is the same pass without storing u; siamese_hybrid's attention entry is the pass with a
 per-channel gate in place of Na and no Nc. :func:`fuse` and :func:`fuse_gate` decide, when a
 model is built, whether given modules can run as one kernel: norms all
-:class:`~kernels.norms.Norm` modules of one kind, eps and bias presence built for triton (Nc
+:class:`~kernels.norms.Norm` modules the kernels compute (each asked: ``Norm.fused_kernels``),
+of one kind, eps and bias presence (Nc
 may be an identity: the input-norm ablation). The kernels read the modules' own parameters, so
 gradients land on the same tensors as in the unfused composition, and checkpoints and
 sequence-parallel reductions do not depend on it.
@@ -87,8 +88,9 @@ class FusedNorms:
         return u, y, s
 
     def computes_like(self, norm) -> bool:
-        """Whether ``norm`` is a Norm of the same kind, eps and bias presence as these."""
-        return isinstance(norm, Norm) and _kind(norm) == _kind(self._norms[1])
+        """Whether ``norm`` is a Norm the kernels compute, of the same kind, eps and bias
+        presence as these."""
+        return _fusable(norm) and _kind(norm) == _kind(self._norms[1])
 
     def merge(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Nc(Na(x) + Nb(y)), without storing Na(x)."""
@@ -102,13 +104,14 @@ class FusedNorms:
 def fuse(backend: NormBackend, a, b, c) -> FusedNorms | None:
     """The fused form of the norm modules ``a``, ``b``, ``c`` under ``backend``, or None when
     they must run as their composition (not triton, a module the kernels do not know such as a
-    TE norm or an identity Na/Nb, or norms that differ in kind or eps)."""
+    TE norm or an identity Na/Nb, a norm of a kind they do not compute, or norms that differ
+    in kind or eps)."""
     if backend is not NormBackend.TRITON:
         return None
     if isinstance(c, IdentityOp):
         c = None
     norms = [a, b] if c is None else [a, b, c]
-    if not all(isinstance(n, Norm) for n in norms):
+    if not all(_fusable(n) for n in norms):
         return None
     if len({_kind(n) for n in norms}) != 1:
         return None
@@ -118,9 +121,16 @@ def fuse(backend: NormBackend, a, b, c) -> FusedNorms | None:
 def fuse_gate(backend: NormBackend, gate: torch.nn.Module, b) -> FusedNorms | None:
     """The fused form of ``x * gate.weight + b(y)`` (a per-channel gate, computed in fp32
     whatever the weight's dtype, and a norm) under ``backend``, or None (as :func:`fuse`)."""
-    if backend is not NormBackend.TRITON or not isinstance(b, Norm):
+    if backend is not NormBackend.TRITON or not _fusable(b):
         return None
     return FusedNorms(gate, b, None, gate=True)
+
+
+def _fusable(norm) -> bool:
+    """Whether the kernels compute ``norm``: a :class:`Norm` whose own kind they compute under
+    its own backend (``Norm.fused_kernels``). Asked of each norm, never of the layer: a layer
+    built with the triton backend may hold norms the kernels do not compute (DyT)."""
+    return isinstance(norm, Norm) and norm.fused_kernels
 
 
 def _kind(norm: Norm) -> tuple[float, bool, bool]:

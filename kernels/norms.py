@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kernels import reference
+from kernels import normalizations, reference
 from kernels.backend import NormBackend
 
 
@@ -22,51 +22,84 @@ def mark_sequence_parallel(param: torch.nn.Parameter, config: TransformerConfig)
 
 
 class Norm(torch.nn.Module):
-    """RMSNorm or LayerNorm over the last dimension, chosen by ``config.normalization``.
+    """A registered normalization (``kernels.normalizations``) over the last dimension.
 
     Follows megatron's norm builder signature ``(config=, hidden_size=, eps=)``; the spec adds
-    ``backend`` (torch or triton, already resolved) and ``bias`` (``model.norm_bias``: whether
-    a LayerNorm has a learnable bias), and the function computing the norm is bound here,
-    once. Weights start at 1 (and biases at 0), as every norm in SiameseNorm must.
+    ``backend`` (torch or triton, already resolved), ``bias`` (``model.norm_bias``: whether a
+    kind with an optional bias has one), ``kind`` (``model.normalization``; without it,
+    ``config.normalization``, megatron's name) and ``starts`` (the start values a kind takes
+    from the config, ``model.dyt_alpha``). Its parameters, their start values (weights 1,
+    biases 0, as every norm in SiameseNorm must start) and roles are the kind's; the function
+    computing it is bound here, once: the fused Triton kernels where the backend is triton and
+    they compute this kind (:attr:`fused_kernels`), else the kind's fp32 reference.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
-                 backend: NormBackend = NormBackend.TORCH, bias: bool = True):
+                 backend: NormBackend = NormBackend.TORCH, bias: bool = True,
+                 kind: str | None = None, starts: dict | None = None):
         super().__init__()
-        if config.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(
-                f"model.normalization ({config.normalization}) must be RMSNorm or LayerNorm"
-            )
+        self.kind = normalizations.kind(kind) if kind is not None else _by_megatron_name(
+            config.normalization)
         if backend not in (NormBackend.TORCH, NormBackend.TRITON):
             raise ValueError(f"Norm computes with torch or triton, not {backend}")
-        self.is_rms = config.normalization == "RMSNorm"
+        self.is_rms = self.kind.name == "rmsnorm"
         self.eps = eps
         self.backend = backend
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.fused_kernels = backend is NormBackend.TRITON and self.kind.fused_kernels
+        self.parameter_roles = {}
         self.bias = None
-        if bias and not self.is_rms:
-            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        for param in self.parameters():
+        starts = {"dyt_alpha": 0.5, **(starts or {})}
+        for spec in self.kind.parameters:
+            if spec.optional and not bias:
+                continue
+            start = starts[spec.start] if isinstance(spec.start, str) else spec.start
+            shape = (hidden_size,) if spec.shape == "hidden" else ()
+            param = torch.nn.Parameter(torch.full(shape, float(start),
+                                                  dtype=config.params_dtype))
             mark_sequence_parallel(param, config)
-        if backend is NormBackend.TRITON:
+            setattr(self, spec.name, param)
+            self.parameter_roles[spec.name] = spec.role
+        if self.fused_kernels:
             # compiled, or interpreted, as decided at its import; a registered op inside a
             # compiled block (kernels.compile)
             from kernels import norm_library
 
             self._norm, self._add_norm = norm_library.norm, norm_library.add_norm
-        else:
+        elif self.kind.name in ("rmsnorm", "layernorm"):
             self._norm, self._add_norm = reference.norm, reference.add_norm
+        else:
+            self._norm, self._add_norm = self._reference, self._reference_add
+
+    def _params(self) -> dict:
+        return {name: getattr(self, name) for name in self.parameter_roles} | (
+            {"bias": None} if self.bias is None else {})
+
+    def _reference(self, x, weight, bias, eps, is_rms):
+        return self.kind.compute(x, self._params(), eps)
+
+    def _reference_add(self, h, r, alpha, weight, bias, eps, is_rms):
+        return self.kind.compute(reference.residual_sum(h, r, alpha), self._params(), eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.bias, self.eps, self.is_rms)
 
     def add_norm(self, h: torch.Tensor, r: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """N(alpha h + r): one pass with triton (the sum is never stored)."""
+        """N(alpha h + r): one pass with the fused kernels (the sum is never stored)."""
         return self._add_norm(h, r, alpha, self.weight, self.bias, self.eps, self.is_rms)
 
     def extra_repr(self) -> str:
-        kind = "RMSNorm" if self.is_rms else "LayerNorm"
-        return f"{kind}({self.weight.numel()}, eps={self.eps}, backend={self.backend})"
+        eps = f", eps={self.eps}" if self.kind.eps else ""
+        return (f"{self.kind.megatron_name}({self.weight.numel()}{eps}, backend={self.backend}"
+                + ("" if self.fused_kernels or self.backend is NormBackend.TORCH
+                   else ", reference: the fused kernels do not compute it") + ")")
+
+
+def _by_megatron_name(name: str):
+    for kind in normalizations.KINDS.values():
+        if kind.megatron_name == name:
+            return kind
+    names = ", ".join(k.megatron_name for k in normalizations.KINDS.values())
+    raise ValueError(f"model.normalization ({name}) must be one of: {names}")
 
 
 def residual_norm(norm: torch.nn.Module, h: torch.Tensor, r: torch.Tensor,

@@ -18,7 +18,6 @@ from __future__ import annotations
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import build_module
 
-from kernels.backend import NormBackend
 from kernels.norms import Norm
 
 
@@ -34,8 +33,7 @@ class QKVNormSelfAttention(SelfAttention):
             param.sequence_parallel = False  # summed once, below, with or without SP
             param.tp_partial_grad = True
         norms = (self.q_layernorm, self.k_layernorm, self.v_layernorm)
-        self.fused_norms = (all(isinstance(n, Norm) and n.backend is NormBackend.TRITON
-                                for n in norms)
+        self.fused_norms = (all(isinstance(n, Norm) and n.fused_kernels for n in norms)
                             and self.config.num_query_groups >= self.world_size)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,

@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kernels import normalizations
 from model.backends import (
     AttentionBackend,
     MegatronFusions,
@@ -92,8 +93,15 @@ class ModelConfig:
     seq_length: int = 64
     """Longest sequence the model accepts (learned position table size)."""
     normalization: Normalization = Normalization.RMSNORM
-    """rmsnorm | layernorm: the kind of every norm of the model (the scheme's, the Q/K head
-    norms, the final one)."""
+    """rmsnorm | layernorm | dyt: the kind of every norm of the model (the scheme's, the Q/K
+    head norms, the final one); the registered kinds (kernels/normalizations.py). dyt: Dynamic
+    Tanh, w tanh(alpha x) + b with a learned scalar alpha per norm (model.dyt_alpha), no
+    statistics; computed by its fp32 reference under every backend (the fused Triton kernels
+    compute rmsnorm and layernorm only), not by Transformer Engine."""
+    dyt_alpha: float = 0.5
+    """normalization dyt: where every norm's alpha starts ("Transformers without
+    Normalization" uses 0.5 outside LLMs; for LLaMA-shaped models it tunes it by width, from
+    0.8 before attention and 0.2 elsewhere at width 4096 down to 0.2 and 0.05 at 8192)."""
     norm_eps: float = 1e-5
     """Epsilon added to the variance in every norm."""
     norm_bias: bool = False
@@ -268,9 +276,13 @@ class ModelConfig:
         require(self.ffn_size >= 1, f"model.ffn_hidden_size ({self.ffn_hidden_size}) must be "
                  "a positive integer")
         require(self.norm_eps > 0, f"model.norm_eps ({self.norm_eps}) must be > 0")
-        require(not self.norm_bias or self.normalization is Normalization.LAYERNORM,
-                f"model.norm_bias (true) requires model.normalization layernorm "
-                f"(got {self.normalization}): RMSNorm has no bias")
+        optional_bias = [k.name for k in normalizations.KINDS.values()
+                         if any(p.optional and p.name == "bias" for p in k.parameters)]
+        require(not self.norm_bias or self.normalization in optional_bias,
+                f"model.norm_bias (true) requires model.normalization "
+                f"{' or '.join(optional_bias)} (got {self.normalization}): the others have "
+                "no bias to switch (dyt always has one)")
+        require(self.dyt_alpha > 0, f"model.dyt_alpha ({self.dyt_alpha}) must be > 0")
         require(self.hybrid_first_block is not FirstBlock.PRENORM_LITERAL
                 or self.residual_scheme is ResidualScheme.SIAMESE_HYBRID,
                 f"model.hybrid_first_block (prenorm_literal) is the wording of the two-stream "

@@ -97,6 +97,9 @@ def _kind(module: torch.nn.Module, name: str) -> Decay | None:
     that holds them: norms, linear layers (TE's fuse a norm in: ``layer_norm_*``),
     embeddings and the MoE router's; None for anything else."""
     kind = type(module).__name__
+    roles = getattr(module, "parameter_roles", None)  # a registered normalization's own
+    if roles is not None and name in roles:
+        return Decay(roles[name])
     if kind.endswith("Norm"):
         return Decay.NORM
     if name.startswith("layer_norm_"):
@@ -134,18 +137,35 @@ def assign(chunks, scheme: str) -> None:
                         "model.decay.declare where the layer makes it")
                 if role is None:
                     declare(param, kind)
+                    _require_rank(param, kind, f"{what} takes the role {kind} from its module",
+                                  _fix_of_kind(module))
                     continue
                 if kind is not None and role is not kind:
                     raise RuntimeError(
                         f"{what} is declared {role}, but its module makes it a {kind}: "
                         f"declare it {kind} (model/decay.py), or make it in a module of its own")
-                if param.dim() not in RANKS[role]:
-                    fits = ", ".join(r.value for r, ranks in RANKS.items() if param.dim() in ranks)
-                    raise RuntimeError(
-                        f"{what} is declared {role}, which is for {_ranks(RANKS[role])} "
-                        f"tensors, not {param.dim()}-d ones (model.decay.RANKS): declare the role "
-                        f"it is ({fits}); to decay it or not against that role's default, "
-                        "declare(param, role, decayed=..., why=\"...\")")
+                _require_rank(param, role, f"{what} is declared {role}",
+                              "declare the role it is")
+
+
+def _fix_of_kind(module: torch.nn.Module) -> str:
+    """Where a role that comes from the module's kind is fixed."""
+    if getattr(module, "parameter_roles", None) is not None:
+        return ("give it the role it is in its normalization's declaration "
+                "(kernels/normalizations.py)")
+    return "give it its role in model.decay._kind, or declare it where the layer makes it"
+
+
+def _require_rank(param: torch.nn.Parameter, role: Decay, what: str, fix: str) -> None:
+    """Refuse a role the parameter's rank cannot have (:data:`RANKS`), whatever its source: a
+    0-d scalar that took the role of a matrix from its module would be decayed by accident."""
+    if param.dim() in RANKS[role]:
+        return
+    fits = ", ".join(r.value for r, ranks in RANKS.items() if param.dim() in ranks)
+    raise RuntimeError(
+        f"{what}, which is for {_ranks(RANKS[role])} tensors, not {param.dim()}-d ones "
+        f"(model.decay.RANKS): {fix} ({fits}); to decay it or not against that role's "
+        "default, declare(param, role, decayed=..., why=\"...\")")
 
 
 def _block_linear(module: torch.nn.Module, name: str, param: torch.nn.Parameter,

@@ -150,12 +150,16 @@ the blocks) and its global shape."""
 
 def start_of(model: ModelConfig, key: str, role: Decay | None) -> Start | None:
     """The declared start of the undrawn tensor ``key`` of weight-decay role ``role``: the
-    scheme's own (its file's ``START``, the first suffix ``key`` ends with), else its role's
-    (norm weights 1, norm and linear biases 0); None where nothing declares one."""
+    scheme's own (its file's ``START``, the first suffix ``key`` ends with), else the
+    normalization's (``kernels.normalizations``: DyT's alpha ``model.dyt_alpha``), else its
+    role's (norm weights 1, norm and linear biases 0); None where nothing declares one."""
     own = getattr(SCHEME_FILES[model.residual_scheme], "START", {})
     for suffix, start in own.items():
         if key.endswith(suffix):
             return start
+    for spec in model.normalization.kind.parameters:  # the norm's own declaration
+        if role is Decay(spec.role) and key.endswith(("." + spec.name, "_" + spec.name)):
+            return getattr(model, spec.start) if isinstance(spec.start, str) else spec.start
     if role is Decay.NORM:
         return 0.0 if key.endswith("bias") else 1.0
     if role is Decay.BIAS:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kernels import normalizations
+
 # What the traits' functions are called with: the ModelConfig being built (not imported here,
 # since the config imports this module).
 ModelConfig = Any
@@ -255,13 +257,22 @@ class InitMethod(StrEnum):
     truncated at +-3 std, and an untied output layer at std 1 / sqrt(hidden_size)."""
 
 
-class Normalization(StrEnum):
-    RMSNORM = "rmsnorm"
-    LAYERNORM = "layernorm"
+class _Normalization(StrEnum):
+    @property
+    def kind(self) -> normalizations.NormKind:
+        """The registered kind (``kernels.normalizations``): what a norm of it holds and does."""
+        return normalizations.kind(self.value)
 
     @property
     def megatron_name(self) -> str:
-        return {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[self.value]
+        return self.kind.megatron_name
+
+
+Normalization = _Normalization("Normalization", {name.upper(): name
+                                                 for name in normalizations.KINDS},
+                               module=__name__)
+"""``model.normalization``: one member per registered kind (``kernels.normalizations``), so a
+kind declared there is a config choice with nothing else to list."""
 
 
 class Activation(StrEnum):

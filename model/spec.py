@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from kernels import normalizations
 from kernels.backend import NormBackend
 from kernels.norms import Norm
 from model.attention import QKVNormSelfAttention
@@ -57,9 +58,17 @@ def plain_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
     megatron's norm arguments and keep ``weight``/``bias`` names, so a checkpoint does not
     depend on the choice."""
     if backend is NormBackend.TE:
+        te_kinds = " and ".join(k.name for k in normalizations.KINDS.values()
+                                if k.transformer_engine)
+        require(model.normalization.kind.transformer_engine,
+                f"kernels.norm_backend (te) computes {te_kinds} (Transformer Engine's norms), "
+                f"not model.normalization {model.normalization}: set "
+                "--kernels.norm_backend=torch (or triton on a GPU)")
         _require_norm_bias_for_te(model, "kernels.norm_backend (te)")
         return ModuleSpec(module=te_module("TENorm"))
-    return ModuleSpec(module=Norm, params={"backend": backend, "bias": model.norm_bias})
+    return ModuleSpec(module=Norm, params={"backend": backend, "bias": model.norm_bias,
+                                           "kind": str(model.normalization),
+                                           "starts": {"dyt_alpha": model.dyt_alpha}})
 
 
 def _require_norm_bias_for_te(model: ModelConfig, what: str) -> None:
@@ -74,10 +83,14 @@ def linear_modules(model: ModelConfig) -> dict:
     Engine's plus its fused norm+linear (``norm_column``; None where there is none). TE is looked
     up only when chosen, and choosing it is only valid with CUDA (``model.backends``)."""
     if resolve_transformer_impl(model.transformer_impl) is TransformerImpl.TE:
-        _require_norm_bias_for_te(model, "model.transformer_impl (te)")
+        te_norms = model.normalization.kind.transformer_engine
+        if te_norms:
+            _require_norm_bias_for_te(model, "model.transformer_impl (te)")
+        # TE fuses only its own norms into a linear; any other kind stays a module apart
         return {"column": te_module("TEColumnParallelLinear"),
                 "row": te_module("TERowParallelLinear"),
-                "norm_column": te_module("TELayerNormColumnParallelLinear")}
+                "norm_column": te_module("TELayerNormColumnParallelLinear") if te_norms
+                else None}
     return {"column": ColumnLinear, "row": RowLinear, "norm_column": None}
 
 

@@ -18,7 +18,7 @@ import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kernels import triton_kernels, triton_ops
+from kernels import normalizations, triton_kernels, triton_ops
 from kernels.backend import NormBackend, resolve
 from kernels.fused import fuse_gate
 from kernels.norms import Norm
@@ -451,6 +451,34 @@ def _perturb_norms(model) -> None:
         for name, param in model.named_parameters():
             if "norm" in name or "gate" in name:
                 param.add_((0.3 * torch.randn(param.shape, generator=gen)).to(param))
+
+
+UNFUSED_KINDS = [k.name for k in normalizations.KINDS.values() if not k.fused_kernels]
+
+
+@pytest.mark.parametrize("normalization", UNFUSED_KINDS)
+@pytest.mark.parametrize("scheme", list(ResidualScheme))
+def test_a_norm_the_kernels_do_not_compute_runs_its_reference_under_triton(
+        single_rank, monkeypatch, scheme, normalization):
+    """Every registered normalization the fused kernels do not compute (DyT), in every scheme
+    built with the triton backend: each norm falls back to its own reference, decided per
+    norm, so no fused norm kernel runs and the loss and gradients are the torch model's (a
+    layer that fused by its backend would run the LayerNorm kernel over the norm's weight and
+    bias and ignore the rest of it)."""
+    calls = collections.Counter()
+    for fn in (triton_ops.EntryFunction, triton_ops.NormFunction, triton_ops.QKVNormFunction):
+        def counted(*args, fn=fn, apply=fn.apply):
+            calls[fn.__name__] += 1
+            return apply(*args)
+        monkeypatch.setattr(fn, "apply", counted)
+    cfg = tiny_model(scheme, num_layers=2, normalization=normalization)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    (loss_t, grads_t, _), (loss_f, grads_f, calls_f) = _torch_and_triton(cfg, tokens, calls)
+    assert not calls_f, (f"{scheme} with {normalization} under triton ran fused norm kernels "
+                         f"{dict(calls_f)}: decide fusion per norm (Norm.fused_kernels, "
+                         "kernels/fused.py), from the norm's kind")
+    errors = [rel_err(loss_f, loss_t)] + [rel_err(grads_f[n], grads_t[n]) for n in grads_t]
+    assert max(errors) <= 1e-6, (scheme, normalization, errors)
 
 
 def _torch_and_triton(cfg, tokens: torch.Tensor, calls: collections.Counter,
