@@ -18,6 +18,28 @@ from tests.zygote import stable_environ
 SEQ, MBS, VOCAB = 16, 2, 100
 
 
+def _norm_variants() -> list[str]:
+    """Every registered normalization (kernels.normalizations), and "NAME+bias" for one whose
+    bias is optional (model.norm_bias): what a registry-wide test runs over."""
+    from kernels import normalizations
+
+    found = []
+    for kind in normalizations.KINDS.values():
+        found.append(kind.name)
+        if any(p.optional and p.name == "bias" for p in kind.parameters):
+            found.append(f"{kind.name}+bias")
+    return found
+
+
+NORMS = _norm_variants()
+
+
+def norm_fields(variant: str) -> dict:
+    """The model fields of a :data:`NORMS` variant."""
+    name, _, bias = variant.partition("+")
+    return {"normalization": name, "norm_bias": bias == "bias"}
+
+
 def tiny_model(scheme: str, **overrides) -> ModelConfig:
     fields = dict(
         residual_scheme=scheme, num_layers=4, hidden_size=32, num_attention_heads=4,
