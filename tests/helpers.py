@@ -74,7 +74,10 @@ def perturb_every_parameter(model, scale: float = 0.3) -> None:
         for name, param in model.named_parameters():
             before = param.detach().clone()
             spread = param.float().std().item() if param.numel() > 1 else 0.0
-            param.add_((scale * (spread or 1.0)) * torch.randn_like(param))
+            for _ in range(8):  # a small draw can round back to a bf16 scalar's own value
+                param.add_((scale * (spread or 1.0)) * torch.randn_like(param))
+                if not torch.equal(param, before):
+                    break
             assert not torch.equal(param, before), name
 
 

@@ -25,10 +25,12 @@ import copy
 import pytest
 import torch
 
+from kernels.norms import Norm
+from kernels.reference import residual_sum
 from model.builder import build_model
 from model.config import ParallelConfig
 from model.schemes import EXPERT_FP32, ResidualScheme
-from tests.helpers import perturb_every_parameter, tiny_model
+from tests.helpers import NORMS, norm_fields, perturb_every_parameter, tiny_model
 
 ONE_ROUNDING = 1.25
 """How many times one rounding's RMS error a declared module's output may be off its fp32
@@ -53,19 +55,25 @@ def outputs(value) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
-def declared_calls(scheme: ResidualScheme):
-    """[(module name, module, args, kwargs, output)] of every call of a declared module in one
-    forward pass of the scheme's bf16 model."""
+def declared_calls(scheme: ResidualScheme, chosen=None, **fields):
+    """[(module name, module, args, kwargs, output)] of every call of a declared module (or of
+    every module ``chosen(name, module)`` picks) in one forward pass of the scheme's bf16
+    model (``fields``: more of its config)."""
     cfg = tiny_model(scheme.value, num_layers=2, hidden_size=64, num_attention_heads=4,
-                     seq_length=64)
+                     seq_length=64, **fields)
     [model] = build_model(cfg, ParallelConfig(), torch.bfloat16, norm_backend="torch", seed=0)
     perturb_every_parameter(model)
+    if chosen is None:
+        def chosen(name, module):
+            return name.rsplit(".", 1)[-1] in scheme.traits.fp32
     calls, hooks = [], []
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in scheme.traits.fp32:
+        if chosen(name, module):
             def hook(module, args, kwargs, output, name=name):
                 calls.append((name, module, args, kwargs, output))
             hooks.append(module.register_forward_hook(hook, with_kwargs=True))
+            if isinstance(module, Norm):  # a Post-Norm sublayer's N(h + r) is its own call
+                module.add_norm = _recorded(module, f"{name}.add_norm", calls)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length),
                            generator=torch.Generator().manual_seed(1))
     positions = torch.arange(cfg.seq_length).expand_as(tokens)
@@ -86,8 +94,29 @@ def test_declared_fp32_computations_round_once(single_rank, scheme):
     assert seen == set(scheme.traits.fp32), \
         f"{scheme}: Traits.fp32 names {sorted(set(scheme.traits.fp32) - seen)}, which the " \
         "model has no module of (or never calls): model/schemes.py"
+    assert_round_once(scheme, calls, "Traits.fp32 declares it fp32, so compute it in fp32 "
+                      "and round its output once (or take it out of Traits.fp32)")
+
+
+def _recorded(module, name: str, calls: list):
+    """``module.add_norm``, each call recorded as ``name`` (as a forward hook records one)."""
+    add_norm = module.add_norm
+
+    def recorded(*args, **kwargs):
+        output = add_norm(*args, **kwargs)
+        calls.append((name, module, args, kwargs, output))
+        return output
+    return recorded
+
+
+def assert_round_once(scheme, calls, fix: str) -> None:
     for name, module, args, kwargs, output in calls:
         exact = copy.deepcopy(module).float()
+        if name.endswith(".add_norm"):  # the sum in the activation dtype, as the unfused
+            # model adds (kernels.reference.residual_sum); the norm of it in fp32
+            args = (residual_sum(*args[:2], args[2] if len(args) > 2 else
+                                 kwargs.get("alpha", 1.0)),)
+            kwargs = {}
         with torch.no_grad():
             want = outputs(exact(*as_fp32(args), **as_fp32(kwargs)))
         for i, (got, fp32) in enumerate(zip(outputs(output), want, strict=True)):
@@ -95,8 +124,20 @@ def test_declared_fp32_computations_round_once(single_rank, scheme):
             err = rms_rel(got, fp32)
             assert err <= ONE_ROUNDING * once + 1e-6, (
                 f"{scheme}: {name} (output {i}, {got.dtype}) is {err / max(once, 1e-30):.2f} "
-                f"roundings off its fp32 computation, not one: Traits.fp32 declares it fp32, so "
-                "compute it in fp32 and round its output once (or take it out of Traits.fp32)")
+                f"roundings off its fp32 computation, not one: {fix}")
+
+
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("scheme", list(ResidualScheme), ids=str)
+def test_every_normalization_computes_in_fp32(single_rank, scheme, normalization):
+    """Every norm of every scheme, of every registered kind, in a bf16 model: its output is
+    its fp32 computation rounded once (a kind whose reference computed in the activation
+    dtype, as DyT's tanh in bf16 would, is two or more roundings off)."""
+    calls = declared_calls(scheme, lambda name, module: isinstance(module, Norm),
+                           **norm_fields(normalization))
+    assert calls, f"{scheme}: no norm module called"
+    assert_round_once(scheme, calls, f"{normalization}'s compute in kernels/normalizations.py "
+                      "must compute in fp32 and round its output once")
 
 
 

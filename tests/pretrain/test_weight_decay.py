@@ -14,7 +14,7 @@ from model.config import ParallelConfig
 from model.schemes import ResidualScheme
 from pretrain.config import Config, OptimConfig
 from pretrain.optim import build_optimizer
-from tests.helpers import tiny_model
+from tests.helpers import NORMS, norm_fields, tiny_model
 
 SCHEMES = [s.value for s in ResidualScheme]
 
@@ -43,13 +43,15 @@ def optimizer_groups(model_config, add=None) -> tuple[dict[int, float], list]:
     return groups_by_param(optimizer), chunks
 
 
+@pytest.mark.parametrize("normalization", NORMS)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_the_optimizer_decays_exactly_the_weight_matrices(single_rank, scheme):
-    """Every parameter has a role that fits its rank (``decay.RANKS``: a 0-d scalar is never
-    a matrix); the optimizer's groups give weight decay to exactly the parameters whose role
-    is decayed (matrices), none to norms, biases, gates, scalars and mixing coefficients,
-    unless a parameter's declaration overrides its role by name (``decay.WHY``)."""
-    wd, chunks = optimizer_groups(tiny_model(scheme))
+def test_the_optimizer_decays_exactly_the_weight_matrices(single_rank, scheme, normalization):
+    """With every registered normalization: every parameter has a role that fits its rank
+    (``decay.RANKS``: a 0-d scalar is never a matrix); the optimizer's groups give weight
+    decay to exactly the parameters whose role is decayed (matrices), none to norms, biases,
+    gates, scalars (DyT's alpha) and mixing coefficients, unless a parameter's declaration
+    overrides its role by name (``decay.WHY``)."""
+    wd, chunks = optimizer_groups(tiny_model(scheme, **norm_fields(normalization)))
     for name, param in chunks[0].module.named_parameters():
         role = getattr(param, decay.ROLE)
         assert isinstance(role, decay.Decay), (scheme, name)
