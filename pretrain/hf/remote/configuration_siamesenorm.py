@@ -44,6 +44,10 @@ def check_transformers():
 check_transformers()
 
 # <generated: remote-schemes> python -m pretrain.report.scheme_lists --write
+NORMALIZATIONS = ("rmsnorm", "layernorm", "dyt")
+"""The normalizations ``modeling_siamesenorm.Norm`` computes: the framework's registered ones
+(its kernels/normalizations.py; a test holds the two equal)."""
+
 SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc",
            "periln", "olmo2", "mhc")
 """The residual schemes this code builds (``ResidualScheme``, in its order)."""
@@ -122,6 +126,9 @@ class SiameseNormConfig(_Config):
         if residual_scheme not in SCHEMES:
             raise ValueError(f"residual_scheme ({residual_scheme!r}) must be one of "
                              f"{', '.join(SCHEMES)}")
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization ({normalization!r}) must be one of "
+                             f"{', '.join(NORMALIZATIONS)}")
         if moe_router_score_function not in ROUTER_SCORES:
             raise ValueError(f"moe_router_score_function ({moe_router_score_function!r}) must "
                              f"be one of {', '.join(ROUTER_SCORES)}")

@@ -67,18 +67,25 @@ def refuse_unsupported(options: dict):
 
 
 class Norm(nn.Module):
-    """RMSNorm or LayerNorm (with a bias when ``norm_bias``) over the last dim, in fp32."""
+    """A norm over the last dim, computed in fp32: RMSNorm, LayerNorm (with a bias when
+    ``norm_bias``), or DyT, ``weight * tanh(alpha x) + bias`` with one learned scalar alpha
+    ("Transformers without Normalization", Zhu et al., 2025)."""
 
     def __init__(self, config, size: int):
         super().__init__()
-        self.rms = config.normalization == "rmsnorm"
+        self.kind = config.normalization
         self.eps = config.norm_eps
         self.weight = nn.Parameter(torch.ones(size))
-        self.bias = nn.Parameter(torch.zeros(size)) if config.norm_bias and not self.rms else None
+        self.alpha = nn.Parameter(torch.tensor(0.5)) if self.kind == "dyt" else None
+        with_bias = self.kind == "dyt" or (config.norm_bias and self.kind == "layernorm")
+        self.bias = nn.Parameter(torch.zeros(size)) if with_bias else None
 
     def forward(self, x):
         shape = (x.shape[-1],)
-        if self.rms:
+        if self.kind == "dyt":
+            out = torch.tanh(self.alpha.float() * x.float()) * self.weight.float() \
+                + self.bias.float()
+        elif self.kind == "rmsnorm":
             out = F.rms_norm(x.float(), shape, self.weight.float(), self.eps)
         else:
             bias = None if self.bias is None else self.bias.float()

@@ -29,6 +29,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from kernels import normalizations
 from model import builder
 from model.builder import build_model
 from model.config import MOE_FIELDS, ModelConfig, ParallelConfig
@@ -36,6 +37,7 @@ from model.schemes import ResidualScheme
 from pretrain.data.tokenizer import open_tokenizer
 from pretrain.hf import export as hf_export
 from pretrain.hf.export import write_folder
+from pretrain.hf.remote.configuration_siamesenorm import NORMALIZATIONS as REMOTE_NORMALIZATIONS
 from pretrain.hf.remote.configuration_siamesenorm import SCHEMES as REMOTE_SCHEMES
 from pretrain.hf.remote.configuration_siamesenorm import SUPPORTED_TRANSFORMERS as SUPPORTED
 from pretrain.hf.remote.configuration_siamesenorm import SiameseNormConfig
@@ -73,6 +75,10 @@ CASES = {
     "periln": ("periln", {}),
     "olmo2": ("olmo2", {}),
     "mhc": ("mhc", {"hc_rate": 3, "mhc_sinkhorn_iterations": 7}),
+    # Dynamic Tanh in the plain, the two-stream and the gated QKV-norm blocks
+    "pre-dyt": ("pre", {"normalization": "dyt", "dyt_alpha": 0.8}),
+    "siamese-dyt": ("siamese", {"normalization": "dyt"}),
+    "siamese_hybrid-dyt": ("siamese_hybrid", {"normalization": "dyt"}),
 }
 # Mixture of experts, one case per scheme and two more, together covering what routes a token
 # (softmax and sigmoid scores, the softmax before the top k (pre-softmax) at k = 1 and 2, k = 1
@@ -118,6 +124,16 @@ def test_every_registered_scheme_is_exported_and_tested():
     assert {scheme for scheme, _ in CASES.values()} == registered
     # and each with experts
     assert {scheme for scheme, fields in CASES.values() if fields.get("num_experts")} \
+        == registered
+
+
+def test_every_registered_normalization_is_exported_and_tested():
+    """The remote code computes exactly the registered normalizations, and each has a case
+    here (rmsnorm by default): a new kind fails this until its computation is written in
+    modeling_siamesenorm.Norm and checked against the model's."""
+    registered = set(normalizations.KINDS)
+    assert set(REMOTE_NORMALIZATIONS) == registered
+    assert {fields.get("normalization", "rmsnorm") for _, fields in CASES.values()} \
         == registered
 
 
