@@ -22,6 +22,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+from kernels import normalizations
 from model.schemes import EXPERT_FP32, ResidualScheme
 from runtime.markdown import check_or_rewrite
 
@@ -40,14 +41,17 @@ def _tuple(name: str, values: list[str]) -> str:
 
 
 def remote_schemes() -> str:
-    """The remote configuration's schemes and, per scheme (and in every MoE block), the modules
-    kept in fp32."""
+    """The remote configuration's schemes, normalizations and, per scheme (and in every MoE
+    block), the modules kept in fp32."""
     fp32 = {s.value: s.traits.fp32 for s in ResidualScheme if s.traits.fp32}
     entries = "".join(f"    {scheme!r}: {modules!r},\n".replace("'", '"')
                       for scheme, modules in fp32.items())
     ends = "".join(f'    "{s.value}": "{s.traits.final.value}",\n' for s in ResidualScheme)
     return (_tuple("SCHEMES", [s.value for s in ResidualScheme]) + "\n"
             '"""The residual schemes this code builds (``ResidualScheme``, in its order)."""\n'
+            + _tuple("NORMALIZATIONS", list(normalizations.KINDS)) + "\n"
+            '"""The normalizations ``modeling_siamesenorm.Norm`` computes (the registered '
+            'kinds,\n``kernels.normalizations``)."""\n'
             f"FINAL_NORMS = {{\n{ends}}}\n"
             '"""What closes each scheme\'s decoder (``Traits.final``, ``FinalNorm``): '
             '"norm", "none", "merge"\n(SiameseNorm\'s), or "scheme", its own."""\n'

@@ -44,13 +44,12 @@ def check_transformers():
 check_transformers()
 
 # <generated: remote-schemes> python -m pretrain.report.scheme_lists --write
-NORMALIZATIONS = ("rmsnorm", "layernorm", "dyt")
-"""The normalizations ``modeling_siamesenorm.Norm`` computes: the framework's registered ones
-(its kernels/normalizations.py; a test holds the two equal)."""
-
 SCHEMES = ("pre", "post", "siamese", "siamese_hybrid", "deepnorm", "hybridnorm", "mixln", "hc",
            "periln", "olmo2", "mhc")
 """The residual schemes this code builds (``ResidualScheme``, in its order)."""
+NORMALIZATIONS = ("rmsnorm", "layernorm", "dyt")
+"""The normalizations ``modeling_siamesenorm.Norm`` computes (the registered kinds,
+``kernels.normalizations``)."""
 FINAL_NORMS = {
     "pre": "norm",
     "post": "none",
