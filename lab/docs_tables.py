@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from lab.report import COLUMNS, best_row, cell_text, scheme_key, slice_table, slices
+from model.schemes import ResidualScheme
 from runtime.markdown import markdown_table, refresh_docs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,7 +121,8 @@ def blocks(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str) 
     fixed, subset = main_slice(rows)
     source = (f"From [{name}](docs/sweep/{name}) ({len(rows)} cells, {_commits(rows)}); "
               f"{fixed['layers']} blocks, warm-up {fixed['warmup']}:\n\n")
-    lr = source + slice_table(subset, "lr", bold_best=True)
+    lr = source + slice_table(subset, "lr", bold_best=True,
+                              every=tuple(s.value for s in ResidualScheme))
     return {"readme-lr": lr, "lab-lr": lr.replace("](docs/sweep/", "](sweep/"),
             "lab-warmup": warmup_table(rows), "lab-depth": depth_table(rows),
             "lab-seeds": f"From [{seeds_name}](sweep/{seeds_name}) ({_commits(seed_rows)}):"

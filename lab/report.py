@@ -82,14 +82,20 @@ def best_row(rows: list[dict]) -> dict | None:
     return min(trained, key=lambda r: r["final_val_loss"]) if trained else None
 
 
-def slice_table(rows: list[dict], knob: str, bold_best: bool = False) -> str:
+def slice_table(rows: list[dict], knob: str, bold_best: bool = False,
+                every: tuple[str, ...] = ()) -> str:
     """Final validation loss, schemes x the values of ``knob`` in one slice (the other two
-    knobs fixed); with ``bold_best`` the lowest loss in bold."""
+    knobs fixed); with ``bold_best`` the lowest loss in bold; a scheme of ``every`` without a
+    cell in the slice gets a row saying "not run" (a scheme registered after the sweep ran)."""
     values = sorted({r[knob] for r in rows})
     lookup = {(r["scheme"], r[knob]): r for r in rows}
     best = best_row(rows) if bold_best else None
     table = []
-    for scheme in sorted({r["scheme"] for r in rows}, key=scheme_key):
+    ran = {r["scheme"] for r in rows}
+    for scheme in sorted(ran | set(every), key=scheme_key):
+        if scheme not in ran:
+            table.append([scheme, *("not run" for _ in values)])
+            continue
         cells = []
         for value in values:
             row = lookup.get((scheme, value))

@@ -151,7 +151,7 @@ def assign(chunks, scheme: str) -> None:
 def _fix_of_kind(module: torch.nn.Module) -> str:
     """Where a role that comes from the module's kind is fixed."""
     if getattr(module, "parameter_roles", None) is not None:
-        return ("give it the role it is in its normalization's declaration "
+        return ("declare the role it is in its normalization's NormParameter "
                 "(kernels/normalizations.py)")
     return "give it its role in model.decay._kind, or declare it where the layer makes it"
 

@@ -46,9 +46,12 @@ def test_estimate_accounts_for_every_kept_activation(kept, scheme):
     gap = kept[scheme]["measured"] - kept[scheme]["estimated"]
     assert abs(gap) <= ROUNDING, (
         f"{scheme}: a layer keeps {kept[scheme]['measured']:.0f} bytes per token for backward, "
-        f"the dry run estimates {kept[scheme]['estimated']:.0f} ({gap:+.0f}): declare the "
-        f"scheme's per-token tensors in its Traits.token_bytes (h-sized ones in "
-        f"stream_values)")
+        f"the dry run estimates {kept[scheme]['estimated']:.0f} ({gap:+.0f}): find the "
+        "tensor (autograd's saved-tensor hooks, as bench.saved_activations counts). One the "
+        "layer should not keep "
+        "(a computation in the wrong dtype, a copy) is fixed in the layer, and "
+        "tests/model/test_precision.py names a dtype; one the scheme needs is declared in its "
+        "Traits.token_bytes (h-sized ones in stream_values)")
 
 
 def test_second_stream_costs_one_value_per_token_and_layer(kept):
