@@ -15,8 +15,9 @@ RUN_DIR as ``cpu-seeds-DATE.csv``, and RUN_DIR's two plots, then rewrites the ta
 ``--kind cpu-moe`` publishes the mixture-of-experts sweep (configs/sweep/cpu-moe.toml) the same
 way, as ``cpu-moe-DATE.csv`` and ``cpu-moe-seeds-DATE.csv`` with its plots prefixed
 ``cpu-moe-``; its table (main grid and seeds in one) is generated from those files.
-``--kind cpu-muon`` publishes the Muon sweep (configs/sweep/cpu-muon.toml) alike; its table
-sets its cells beside the dense sweep's AdamW cells of the same schemes.
+``--kind cpu-muon`` and ``--kind cpu-dyt`` publish the Muon and the Dynamic Tanh sweeps
+(configs/sweep/cpu-muon.toml, cpu-dyt.toml) alike; each table sets their cells beside the dense
+sweep's AdamW and RMSNorm cells of the same schemes.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ PLOTS = ("val_loss_vs_lr.png", "loss_curves.png")
 NUMBERS = {"layers": int, "warmup": int, "lr": float, "final_val_loss": float, "seed": int}
 
 
-KINDS = ("cpu", "cpu-moe", "cpu-muon")
-"""The published sweeps: the dense CPU sweep, the mixture-of-experts one and the Muon one."""
+KINDS = ("cpu", "cpu-moe", "cpu-muon", "cpu-dyt")
+"""The published sweeps: the dense CPU sweep, the mixture-of-experts one, the Muon one and the
+Dynamic Tanh one."""
 
 
 def newest(kind: str, required: bool = True) -> Path | None:
@@ -139,30 +141,40 @@ def moe_block(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: st
             f"{seeds_table(seed_rows)}")
 
 
-def muon_block(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str,
-               adamw_rows: list[dict], adamw_name: str) -> str:
-    """The Muon sweep's main grid beside the dense sweep's AdamW cells of the same schemes,
-    depth and warm-up (each optimizer's best in bold), and the Muon seed check."""
-    fixed, muon = main_slice(rows)
-    schemes = sorted({r["scheme"] for r in muon}, key=scheme_key)
-    adamw = [r for r in adamw_rows if r["scheme"] in schemes and r["layers"] == fixed["layers"]
-             and r["warmup"] == fixed["warmup"]]
-    lrs = sorted({r["lr"] for r in muon + adamw})
+def beside_block(rows: list[dict], name: str, seed_rows: list[dict], seeds_name: str,
+                 base_rows: list[dict], base_name: str, labels: tuple[str, str],
+                 column: str) -> str:
+    """A sweep's main grid (``labels[1]``) beside the dense sweep's cells of the same schemes,
+    depth and warm-up (``labels[0]``), each one's best in bold, in a table whose second column
+    is ``column``; then the sweep's seed check, where it has one."""
+    fixed, cells = main_slice(rows)
+    schemes = sorted({r["scheme"] for r in cells}, key=scheme_key)
+    base = [r for r in base_rows if r["scheme"] in schemes and r["layers"] == fixed["layers"]
+            and r["warmup"] == fixed["warmup"]]
+    lrs = sorted({r["lr"] for r in cells + base})
     table = []
     for scheme in schemes:
-        for optimizer, cells in (("AdamW", adamw), ("Muon", muon)):
-            lookup = {r["lr"]: r for r in cells if r["scheme"] == scheme}
-            best = best_row(cells)
-            table.append([scheme, optimizer, *(
+        for label, source in zip(labels, (base, cells), strict=True):
+            lookup = {r["lr"]: r for r in source if r["scheme"] == scheme}
+            best = best_row(source)
+            table.append([scheme, label, *(
                 f"**{cell_text(lookup.get(lr))}**" if lookup.get(lr) is best and best
                 else cell_text(lookup.get(lr)) for lr in lrs)])
-    return (f"Muon from [{name}](sweep/{name}) ({len(rows)} cells, {_commits(rows)}), AdamW "
-            f"from [{adamw_name}](sweep/{adamw_name}); {fixed['layers']} blocks, warm-up "
-            f"{fixed['warmup']}, each optimizer's best in bold:\n\n"
-            + markdown_table(["scheme", "optimizer", *(f"lr {lr:g}" for lr in lrs)], table,
-                             right_from=2)
-            + f"\n\nMuon's seeds, from [{seeds_name}](sweep/{seeds_name}) "
-              f"({_commits(seed_rows)}):\n\n{seeds_table(seed_rows)}")
+    text = (f"{labels[1]} from [{name}](sweep/{name}) ({len(rows)} cells, {_commits(rows)}), "
+            f"{labels[0]} from [{base_name}](sweep/{base_name}); {fixed['layers']} blocks, "
+            f"warm-up {fixed['warmup']}, each one's best in bold:\n\n"
+            + markdown_table(["scheme", column, *(f"lr {lr:g}" for lr in lrs)], table,
+                             right_from=2))
+    if seed_rows:
+        text += (f"\n\n{labels[1]}'s seeds, from [{seeds_name}](sweep/{seeds_name}) "
+                 f"({_commits(seed_rows)}):\n\n{seeds_table(seed_rows)}")
+    return text
+
+
+BESIDE = {"cpu-muon": ("lab-muon", ("AdamW", "Muon"), "optimizer"),
+          "cpu-dyt": ("lab-dyt", ("RMSNorm", "DyT"), "normalization")}
+"""The sweeps shown beside the dense CPU sweep: their table's name, the two rows' labels (the
+dense sweep's, theirs) and the column that tells them apart."""
 
 
 def publish(run_dir: Path, seed_dirs: list[Path], date: str, kind: str = "cpu") -> None:
@@ -202,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     if moe is not None and moe_seeds is not None:
         generated["lab-moe"] = moe_block(read_rows(moe), moe.name, read_rows(moe_seeds),
                                          moe_seeds.name)
-    muon, muon_seeds = newest("cpu-muon", required=False), newest("cpu-muon-seeds",
+    for kind, (block, labels, column) in BESIDE.items():
+        found, seeds_found = newest(kind, required=False), newest(f"{kind}-seeds",
                                                                    required=False)
-    if muon is not None and muon_seeds is not None:
-        generated["lab-muon"] = muon_block(read_rows(muon), muon.name, read_rows(muon_seeds),
-                                           muon_seeds.name, read_rows(path), path.name)
+        if found is not None and seeds_found is not None:
+            generated[block] = beside_block(read_rows(found), found.name,
+                                            read_rows(seeds_found), seeds_found.name,
+                                            read_rows(path), path.name, labels, column)
     return refresh_docs(DOCS, "sweep-results", generated, path.name,
                         args.write or bool(args.publish))
 

@@ -3,7 +3,7 @@
 
 python -m pretrain.report.config_reference [--write]
 
-A field is documented by the string literal after it in its dataclass (``pretrain/config.py``,
+A field is documented by the string literal after it in its dataclass (``pretrain/config/``,
 ``model/config.py``), the one place a change to a field is made, so its description cannot
 drift from the code. docs/config.md carries the reference between
 ``<!-- config-reference: fields -->`` and ``<!-- /config-reference -->``: ``--write``
