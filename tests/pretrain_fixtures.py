@@ -163,3 +163,16 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 def val_losses(run_dir: Path) -> list[float]:
     return [r["val_loss"] for r in metrics(run_dir) if "val_loss" in r]
+
+
+def killed_in_save_then_resumed(args: list[str], step: int, run: Path, latest: str,
+                                log: Path) -> None:
+    """``python -m pretrain ARGS`` (run folder ``run``) SIGKILLed after megatron wrote step
+    ``step``'s tensors, before that checkpoint was complete (tests/kill_in_save.py), which
+    leaves ``latest`` the newest checkpoint; then run again to the end: the caller compares
+    what the resumed run did with an uninterrupted one. megatron's checkpoint writer may
+    outlive the killed trainer: run_logged reaps it."""
+    code = run_logged("tests.kill_in_save", [str(step), *args], log, timeout=240)
+    assert code == -signal.SIGKILL, log.read_text()[-2000:]
+    assert (run / "checkpoints" / "latest").read_text() == latest
+    cli(*args)

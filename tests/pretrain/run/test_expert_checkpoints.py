@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,13 @@ import pytest
 from model.config import ModelConfig
 from pretrain.report.expert_load import balancing_advice
 from tests.pretrain.run.test_async_checkpoint import assert_same_checkpoints
-from tests.pretrain_fixtures import cli, run_logged, train_args, train_losses
+from tests.pretrain_fixtures import (
+    cli,
+    killed_in_save_then_resumed,
+    run_logged,
+    train_args,
+    train_losses,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -185,12 +190,7 @@ def test_sigkill_during_a_save_resumes_every_loss_exactly(data, single, tmp_path
     routers' expert biases, the experts and their optimizer state all restored)."""
     run = tmp_path / "run"
     args = train_args(data, run, *COMMON)
-    # megatron's checkpoint writer may outlive the killed trainer: run_logged reaps it
-    code = run_logged("tests.kill_in_save", [str(STEPS), *args], tmp_path / "killed.log",
-                      timeout=240)
-    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
-    assert (run / "checkpoints" / "latest").read_text() == SAVED[0]
-    cli(*args)
+    killed_in_save_then_resumed(args, STEPS, run, SAVED[0], tmp_path / "killed.log")
     assert train_losses(run) == train_losses(single)  # exact, step by step
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == SAVED
 

@@ -9,12 +9,16 @@ run repeats every loss bit for bit), and a bf16 run on two ranks resumes bit for
 from __future__ import annotations
 
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 
-from tests.pretrain_fixtures import cli, run_logged, train_args, train_losses
+from tests.pretrain_fixtures import (
+    cli,
+    killed_in_save_then_resumed,
+    train_args,
+    train_losses,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -90,11 +94,7 @@ def test_sigkill_during_a_save_resumes_every_loss_exactly(data, single, tmp_path
     and the AdamW moments restored)."""
     run = tmp_path / "run"
     args = train_args(data, run, *COMMON)
-    code = run_logged("tests.kill_in_save", [str(STEPS), *args], tmp_path / "killed.log",
-                      timeout=240)
-    assert code == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-2000:]
-    assert (run / "checkpoints" / "latest").read_text() == SAVED[0]
-    cli(*args)
+    killed_in_save_then_resumed(args, STEPS, run, SAVED[0], tmp_path / "killed.log")
     assert train_losses(run) == train_losses(single)
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == SAVED
 
