@@ -27,16 +27,19 @@ class Norm(torch.nn.Module):
     Follows megatron's norm builder signature ``(config=, hidden_size=, eps=)``; the spec adds
     ``backend`` (torch or triton, already resolved), ``bias`` (``model.norm_bias``: whether a
     kind with an optional bias has one), ``kind`` (``model.normalization``; without it,
-    ``config.normalization``, megatron's name) and ``starts`` (the start values a kind takes
-    from the config, ``model.dyt_alpha``). Its parameters, their start values (weights 1,
-    biases 0, as every norm in SiameseNorm must start) and roles are the kind's; the function
+    ``config.normalization``, megatron's name), ``starts`` (the start values a kind takes
+    from the config, ``ModelConfig.norm_starts``) and ``site`` ("attention" for the norms of
+    an attention sublayer and the head norms, whose DyT alpha starts higher by the DyT
+    paper's rule: ``starts["<name>_<site>"]`` where given). Its parameters, their start
+    values (weights 1, biases 0, as every norm in SiameseNorm must start) and roles are the
+    kind's; the function
     computing it is bound here, once: the fused Triton kernels where the backend is triton and
     they compute this kind (:attr:`fused_kernels`), else the kind's fp32 reference.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, *,
                  backend: NormBackend = NormBackend.TORCH, bias: bool = True,
-                 kind: str | None = None, starts: dict | None = None):
+                 kind: str | None = None, starts: dict | None = None, site: str = "other"):
         super().__init__()
         self.kind = normalizations.kind(kind) if kind is not None else _by_megatron_name(
             config.normalization)
@@ -52,11 +55,15 @@ class Norm(torch.nn.Module):
         for spec in self.kind.parameters:
             if spec.optional and not bias:
                 continue
-            start = starts[spec.start] if isinstance(spec.start, str) else spec.start
+            from_config = isinstance(spec.start, str)
+            start = (starts.get(f"{spec.start}_{site}", starts[spec.start]) if from_config
+                     else spec.start)
             shape = (hidden_size,) if spec.shape == "hidden" else ()
             param = torch.nn.Parameter(torch.full(shape, float(start),
                                                   dtype=config.params_dtype))
             mark_sequence_parallel(param, config)
+            if from_config:  # model.init holds the built model to it
+                param.norm_start = float(start)
             setattr(self, spec.name, param)
             self.parameter_roles[spec.name] = spec.role
         if self.fused_kernels:

@@ -64,6 +64,13 @@ def coerce_choices(section: str, obj) -> None:
                               f"{choices}")
 
 
+DYT_ALPHAS = ((0, 0.8, 0.2), (5120, 0.6, 0.15), (8192, 0.2, 0.05))
+"""The DyT paper's alpha starts for LLMs ("Transformers without Normalization", its LLaMA runs:
+7B at width 4096, 13B at 5120, 34B and 70B at 8192): (from this hidden size on, the attention
+sublayer's norms, every other norm). A width between two of its models takes the narrower
+one's values; below 4096 the 7B's."""
+
+
 @dataclass
 class ModelConfig:
     """Shape and residual scheme of a decoder-only transformer."""
@@ -98,10 +105,11 @@ class ModelConfig:
     Tanh, w tanh(alpha x) + b with a learned scalar alpha per norm (model.dyt_alpha), no
     statistics; computed by its fp32 reference under every backend (the fused Triton kernels
     compute rmsnorm and layernorm only), not by Transformer Engine."""
-    dyt_alpha: float = 0.5
-    """normalization dyt: where every norm's alpha starts ("Transformers without
-    Normalization" uses 0.5 outside LLMs; for LLaMA-shaped models it tunes it by width, from
-    0.8 before attention and 0.2 elsewhere at width 4096 down to 0.2 and 0.05 at 8192)."""
+    dyt_alpha: float = 0.0
+    """normalization dyt: where every norm's alpha starts; 0: by the DyT paper's rule for LLMs
+    (its LLaMA runs: the norms of each block's attention sublayer and its Q/K head norms
+    higher than the rest, both lower as the model widens; model.config.DYT_ALPHAS). Outside
+    LLMs the paper starts every alpha at 0.5."""
     norm_eps: float = 1e-5
     """Epsilon added to the variance in every norm."""
     norm_bias: bool = False
@@ -227,6 +235,17 @@ class ModelConfig:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
+    def norm_starts(self) -> dict[str, float]:
+        """The start values a normalization's parameters take from the config, by name (and
+        by site: ``dyt_alpha_attention`` for the norms of an attention sublayer and the head
+        norms; ``kernels.norms.Norm``)."""
+        if self.dyt_alpha > 0:
+            return {"dyt_alpha": self.dyt_alpha, "dyt_alpha_attention": self.dyt_alpha}
+        attention, other = next((a, o) for width, a, o in reversed(DYT_ALPHAS)
+                                if self.hidden_size >= width)
+        return {"dyt_alpha": other, "dyt_alpha_attention": attention}
+
+    @property
     def moe_expert_ffn_size(self) -> int:
         """Width of each routed expert's MLP."""
         return self.moe_ffn_hidden_size or self.ffn_size
@@ -282,7 +301,8 @@ class ModelConfig:
                 f"model.norm_bias (true) requires model.normalization "
                 f"{' or '.join(optional_bias)} (got {self.normalization}): the others have "
                 "no bias to switch (dyt always has one)")
-        require(self.dyt_alpha > 0, f"model.dyt_alpha ({self.dyt_alpha}) must be > 0")
+        require(self.dyt_alpha >= 0,
+                f"model.dyt_alpha ({self.dyt_alpha}) must be >= 0 (0: the DyT paper's rule)")
         require(self.hybrid_first_block is not FirstBlock.PRENORM_LITERAL
                 or self.residual_scheme is ResidualScheme.SIAMESE_HYBRID,
                 f"model.hybrid_first_block (prenorm_literal) is the wording of the two-stream "

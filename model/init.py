@@ -158,8 +158,9 @@ def start_of(model: ModelConfig, key: str, role: Decay | None) -> Start | None:
         if key.endswith(suffix):
             return start
     for spec in model.normalization.kind.parameters:  # the norm's own declaration
-        if role is Decay(spec.role) and key.endswith(("." + spec.name, "_" + spec.name)):
-            return getattr(model, spec.start) if isinstance(spec.start, str) else spec.start
+        if (role is Decay(spec.role) and not isinstance(spec.start, str)
+                and key.endswith(("." + spec.name, "_" + spec.name))):
+            return spec.start
     if role is Decay.NORM:
         return 0.0 if key.endswith("bias") else 1.0
     if role is Decay.BIAS:
@@ -209,6 +210,13 @@ def _role(data: torch.Tensor) -> Decay | None:
     return role if role is not None else getattr(data._base, ROLE, None)
 
 
+def _recorded_start(data: torch.Tensor) -> float | None:
+    start = getattr(data, "norm_start", None)
+    if start is None and data._base is not None:
+        start = getattr(data._base, "norm_start", None)
+    return start
+
+
 def _require_start(model: ModelConfig, tensor: ShardedTensor) -> None:
     data = tensor.data
     if not data.is_floating_point():
@@ -218,7 +226,11 @@ def _require_start(model: ModelConfig, tensor: ShardedTensor) -> None:
     block = block_of(tensor)
     if block is not None:
         where += f" (block {block})"
-    start = start_of(model, tensor.key, _role(data))
+    # a start the config gives a norm's parameter by its site (DyT's alpha), as the norm
+    # recorded it when built (kernels.norms.Norm; test_equations.py holds it to the rule)
+    start = _recorded_start(data)
+    if start is None:
+        start = start_of(model, tensor.key, _role(data))
     if start is None:
         constant = data.numel() <= 1 or bool((data == data.flatten()[0]).all())
         what = "is built constant" if constant else "is built with random values"

@@ -51,12 +51,14 @@ from model.sdpa_attention import SDPAttention
 from model.tp_linear import ColumnLinear, RowLinear
 
 
-def plain_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
+def plain_norm(model: ModelConfig, backend: NormBackend, site: str | None = None) -> ModuleSpec:
     """How every norm in the spec is built: megatron's ``TENorm`` (Transformer Engine's RMSNorm
     or LayerNorm, which tags its own weights for sequence parallelism) for the ``te`` backend,
     else :class:`~kernels.norms.Norm` computing with ``backend`` (torch or triton). Both take
     megatron's norm arguments and keep ``weight``/``bias`` names, so a checkpoint does not
-    depend on the choice."""
+    depend on the choice. ``site``: "attention" for a norm the spec places in an attention
+    sublayer (a DyT alpha starts higher there); a scheme's layer gives its own norms theirs
+    when it builds them (``SchemeLayer.build_norm``)."""
     if backend is NormBackend.TE:
         te_kinds = " and ".join(k.name for k in normalizations.KINDS.values()
                                 if k.transformer_engine)
@@ -66,9 +68,9 @@ def plain_norm(model: ModelConfig, backend: NormBackend) -> ModuleSpec:
                 "--kernels.norm_backend=torch (or triton on a GPU)")
         _require_norm_bias_for_te(model, "kernels.norm_backend (te)")
         return ModuleSpec(module=te_module("TENorm"))
-    return ModuleSpec(module=Norm, params={"backend": backend, "bias": model.norm_bias,
-                                           "kind": str(model.normalization),
-                                           "starts": {"dyt_alpha": model.dyt_alpha}})
+    params = {"backend": backend, "bias": model.norm_bias, "kind": str(model.normalization),
+              "starts": model.norm_starts}
+    return ModuleSpec(module=Norm, params=params | ({"site": site} if site else {}))
 
 
 def _require_norm_bias_for_te(model: ModelConfig, what: str) -> None:
@@ -108,7 +110,7 @@ def attention_spec(model: ModelConfig, backend: NormBackend,
     ones). ``fuse_input_norm``: the QKV projection applies the block's input norm itself (the
     layer's must be IdentityOp)."""
     traits = model.residual_scheme.traits
-    head_norm = plain_norm(model, backend) if traits.head_norms else IdentityOp
+    head_norm = plain_norm(model, backend, "attention") if traits.head_norms else IdentityOp
     linears = linear_modules(model)
     return ModuleSpec(
         module=QKVNormSelfAttention if traits.qkv_norm else SelfAttention,
@@ -159,7 +161,7 @@ def pre_norm_layer_spec(model: ModelConfig, index: int, backend: NormBackend) ->
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=IdentityOp if fused else plain_norm(model, backend),
+            input_layernorm=IdentityOp if fused else plain_norm(model, backend, "attention"),
             self_attention=attention_spec(model, backend, fuse_input_norm=fused),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=IdentityOp if fused_mlp else plain_norm(model, backend),

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.utils import make_viewless_tensor
 
 from kernels.backend import NormBackend
+from kernels.norms import Norm
 
 
 @dataclass
@@ -54,11 +55,15 @@ class SchemeLayer(TransformerLayer):
         # not on the block's number (one graph per block).
         self.reads_embedding = self.layer_number == 1
 
-    def build_norm(self, hidden_size: int | None = None) -> torch.nn.Module:
-        """A norm as the spec builds them (over ``hidden_size``, default the model's)."""
-        return build_module(self.submodules_config.norm, config=self.config,
+    def build_norm(self, hidden_size: int | None = None, site: str = "other") -> torch.nn.Module:
+        """A norm as the spec builds them (over ``hidden_size``, default the model's);
+        ``site`` "attention" for a norm of the attention sublayer (its DyT alpha starts
+        higher by the DyT paper's rule: ``kernels.norms.Norm``)."""
+        spec = self.submodules_config.norm
+        site_of = {"site": site} if getattr(spec, "module", None) is Norm else {}
+        return build_module(spec, config=self.config,
                             hidden_size=hidden_size or self.config.hidden_size,
-                            eps=self.config.layernorm_epsilon)
+                            eps=self.config.layernorm_epsilon, **site_of)
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:
         """The layer's output from its input: the scheme's equations."""

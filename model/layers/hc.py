@@ -24,6 +24,8 @@ Pre-Norm (a test checks it). The streams cross megatron packed as [s, b, n h]
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
@@ -94,9 +96,10 @@ class HyperConnectionLayer(SchemeLayer):
         super().__init__(config, submodules, *args, **kwargs)
         self.rate = rate
         block = self.layer_number - 1  # global, so pipeline stages agree with one process
-        self.attn_norm = self.build_norm()
+        self.attn_norm = self.build_norm(site="attention")
         self.mlp_norm = self.build_norm()
-        self.attn_hc = HyperConnection(self.config, rate, 2 * block, dynamic, self.build_norm)
+        self.attn_hc = HyperConnection(self.config, rate, 2 * block, dynamic,
+                                       partial(self.build_norm, site="attention"))
         self.mlp_hc = HyperConnection(self.config, rate, 2 * block + 1, dynamic,
                                       self.build_norm)
 

@@ -137,7 +137,7 @@ class ManifoldHyperConnectionLayer(SchemeLayer):
                  **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         self.rate = rate
-        self.attn_norm = self.build_norm()
+        self.attn_norm = self.build_norm(site="attention")
         self.mlp_norm = self.build_norm()
         self.attn_mhc = ManifoldConnection(self.config, rate, iterations)
         self.mlp_mhc = ManifoldConnection(self.config, rate, iterations)

@@ -22,7 +22,7 @@ from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
 class OLMo2Layer(SchemeLayer):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.attn_out_norm = self.build_norm()
+        self.attn_out_norm = self.build_norm(site="attention")
         self.mlp_out_norm = self.build_norm()
 
     def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:

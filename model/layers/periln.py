@@ -20,8 +20,8 @@ from model.layers.base import BranchInputs, LayerChoice, SchemeLayer
 class PeriLNLayer(SchemeLayer):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.attn_in_norm = self.build_norm()
-        self.attn_out_norm = self.build_norm()
+        self.attn_in_norm = self.build_norm(site="attention")
+        self.attn_out_norm = self.build_norm(site="attention")
         self.mlp_in_norm = self.build_norm()
         self.mlp_out_norm = self.build_norm()
 

@@ -18,7 +18,7 @@ class PostNormLayer(SchemeLayer):
 
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.attn_post_norm = self.build_norm()
+        self.attn_post_norm = self.build_norm(site="attention")
         self.mlp_post_norm = self.build_norm()
 
     def compute(self, h: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:

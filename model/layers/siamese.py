@@ -31,7 +31,7 @@ from model.layers.two_stream import TwoStreamLayer, siamese_params
 class SiameseLayer(TwoStreamLayer):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.attn_norms = self.sublayer_norms()
+        self.attn_norms = self.sublayer_norms(site="attention")
         self.mlp_norms = self.sublayer_norms()
 
     def compute(self, hidden_states: torch.Tensor, inputs: BranchInputs) -> torch.Tensor:

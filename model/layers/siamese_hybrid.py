@@ -79,7 +79,7 @@ class SiameseHybridLayer(TwoStreamLayer):
     def __init__(self, config, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
         self.attn_gate = ChannelGate(self.config, self.config.hidden_size)
-        self.attn_pre_norm = self.build_norm()
+        self.attn_pre_norm = self.build_norm(site="attention")
         self.attn_fused = fuse_gate(self.backend, self.attn_gate, self.attn_pre_norm)
         self.mlp_norms = self.sublayer_norms()
 
@@ -108,8 +108,8 @@ class HybridNormStarFirstBlock(TwoStreamLayer):
 
     def __init__(self, config, submodules, *args, mlp_x_norm: bool = True, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.attn_x_norm = self.build_norm()
-        self.attn_pre_norm = self.build_norm()
+        self.attn_x_norm = self.build_norm(site="attention")
+        self.attn_pre_norm = self.build_norm(site="attention")
         self.mlp_x_norm = self.build_norm() if mlp_x_norm else IdentityOp()
         self.mlp_pre_norm = self.build_norm()
         self.mlp_in_norm = self.build_norm() if self.input_norm else IdentityOp()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from megatron.core.dist_checkpointing.utils import apply_prefix_mapping
@@ -165,8 +166,10 @@ class TwoStreamLayer(SchemeLayer):
             return self.c_tensor
         return self.c
 
-    def sublayer_norms(self, post: bool = True) -> SublayerNorms:
-        return SublayerNorms(self.build_norm, self.backend, post=post, inp=self.input_norm)
+    def sublayer_norms(self, post: bool = True, site: str = "other") -> SublayerNorms:
+        """Npost, Npre and Nin of one sublayer (``site``: "attention" for the attention's)."""
+        return SublayerNorms(partial(self.build_norm, site=site), self.backend, post=post,
+                             inp=self.input_norm)
 
     def streams_in(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) from the packed input, or both from the embedding in global block 0."""

@@ -75,12 +75,24 @@ def test_a_role_its_rank_cannot_have_is_refused_from_the_declaration_too(single_
     ({"normalization": "dyt", "norm_bias": True},
      "model.norm_bias (true) requires model.normalization layernorm (got dyt): the others "
      "have no bias to switch (dyt always has one)"),
-    ({"normalization": "dyt", "dyt_alpha": 0.0}, "model.dyt_alpha (0.0) must be > 0"),
+    ({"normalization": "dyt", "dyt_alpha": -0.5},
+     "model.dyt_alpha (-0.5) must be >= 0 (0: the DyT paper's rule)"),
 ])
 def test_a_normalization_mistake_is_one_line(fields, said):
     with pytest.raises(ConfigError) as refused:
         ModelConfig(**fields).validate()
     assert str(refused.value) == said
+
+
+@pytest.mark.parametrize("width, attention, other", [
+    (64, 0.8, 0.2), (4096, 0.8, 0.2), (5120, 0.6, 0.15), (6144, 0.6, 0.15), (8192, 0.2, 0.05),
+    (16384, 0.2, 0.05)])
+def test_dyt_alpha_starts_by_the_papers_rule_unless_set(width, attention, other):
+    """The DyT paper's LLaMA starts by width (7B at 4096, 13B at 5120, 34B and 70B at 8192),
+    the narrower model's between two, the 7B's below; a set model.dyt_alpha is every norm's."""
+    starts = ModelConfig(normalization="dyt", hidden_size=width, num_attention_heads=8).norm_starts
+    assert starts == {"dyt_alpha": other, "dyt_alpha_attention": attention}
+    assert set(ModelConfig(normalization="dyt", dyt_alpha=0.5).norm_starts.values()) == {0.5}
 
 
 def test_transformer_engine_refuses_a_kind_it_does_not_have():

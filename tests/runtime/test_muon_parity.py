@@ -3,9 +3,9 @@ the SwiGLU's halves per part), TP=2 with sequence parallelism (its marked parame
 norms, are AdamW's), PP=2 (each stage steps its own matrices, one gradient norm clipped
 across stages), DP=2 under megatron's DDP and under the distributed optimizer (each rank
 steps and keeps the momentum of the whole matrices it owns, the others' updates arrive by
-all-gather), TP=2 x DP=2 under it, and experts under EP=2 (each expert a matrix of its own)
-take one process's three steps (within 1e-5). The gradient norm (0.73) is above the clip
-(0.5), so a Muon norm taken on one stage only misses by 2e-5 under PP=2."""
+all-gather), TP=2 x DP=2 and PP=2 x DP=2 under it, and experts under EP=2 (each expert a
+matrix of its own) take one process's three steps (within 1e-5). The gradient norm (0.73) is
+above the clip (0.5), so a Muon norm taken on one stage only misses by 2e-5 under PP=2."""
 
 import json
 
@@ -61,7 +61,8 @@ def test_tp_sp_pp_and_dp_take_one_process_muon_steps(single_rank, tmp_path):
         "one": (1, {}), "tp2": (2, {"tp": 2}), "dp2": (2, {}),
         "tp2-sp": (2, {"tp": 2, "sequence_parallel": True}), "pp2": (2, {"pp": 2}),
         "dp2-zero1": (2, {"distributed_optimizer": True}),
-        "tp2-dp2-zero1": (4, {"tp": 2, "distributed_optimizer": True})})
+        "tp2-dp2-zero1": (4, {"tp": 2, "distributed_optimizer": True}),
+        "pp2-dp2-zero1": (4, {"pp": 2, "distributed_optimizer": True})})
     [everything] = held["one"]
     assert held["dp2"] == [everything, everything]  # megatron's DDP: every rank steps all
     assert_owned_once(held["dp2-zero1"], everything, "dp2-zero1")
@@ -69,6 +70,10 @@ def test_tp_sp_pp_and_dp_take_one_process_muon_steps(single_rank, tmp_path):
     tp_dp = held["tp2-dp2-zero1"]
     assert tp_dp[0] == tp_dp[1] and tp_dp[2] == tp_dp[3]
     assert_owned_once([tp_dp[0], tp_dp[2]], everything, "tp2-dp2-zero1")
+    # each pipeline stage shares out its own blocks' matrices over its two data-parallel ranks
+    # (a stage numbers its blocks from 0: the momenta are counted, not named, across stages)
+    pp_dp = held["pp2-dp2-zero1"]
+    assert all(pp_dp) and sum(len(r) for r in pp_dp) == len(everything), pp_dp
 
 
 @pytest.mark.slow
