@@ -111,6 +111,11 @@ EXPERT_LAYOUTS = {
 NORM_VARIANTS = [variant for variant in NORMS if variant != "rmsnorm"]
 NORM_CASES = {scheme.value: norm_fields(NORM_VARIANTS[index % len(NORM_VARIANTS)])
               for index, scheme in enumerate(ResidualScheme)}
+# What a norm's parameters meet under the layouts: TP with SP (each rank's partial gradients
+# summed), the interleaved pipeline (stages and chunks that start their blocks elsewhere) and
+# DP; TP without SP, PP alone and TP x PP add nothing for them (every scheme runs those with
+# RMSNorm above).
+NORM_LAYOUTS = ["tp2-sp", "pp2-vp2", "dp2"]
 # The layouts after the first two run one scheme of each variant (the first two, whose
 # dispatch differs most from one process's, run every scheme).
 EXPERT_SUBSET = list(EXPERT_CASES)[1:1 + len(EXPERT_VARIANTS)]
@@ -220,11 +225,12 @@ def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", NORM_LAYOUTS)
 def test_every_normalization_layout_matches_unsharded(norm_reference, layout, tmp_path):
     """Every registered scheme with another registered normalization (:data:`NORM_CASES`:
-    layernorm, layernorm with its bias, DyT, in turn) under every layout: loss and every
-    gradient match one process, DyT's alpha under TP with SP among them."""
+    layernorm, layernorm with its bias, DyT, in turn) under TP with SP, the interleaved
+    pipeline and DP: loss and every gradient match one process, DyT's alpha under TP with SP
+    among them."""
     check_layout(norm_reference, layout, list(NORM_CASES), tmp_path, overrides=NORM_CASES)
 
 

@@ -75,9 +75,9 @@ CASES = {
     "periln": ("periln", {}),
     "olmo2": ("olmo2", {}),
     "mhc": ("mhc", {"hc_rate": 3, "mhc_sinkhorn_iterations": 7}),
-    # Dynamic Tanh in the plain, the two-stream and the gated QKV-norm blocks
+    # Dynamic Tanh in a plain block, and in the two-stream one with the gate, Q/K/V head norms
+    # and the merge
     "pre-dyt": ("pre", {"normalization": "dyt", "dyt_alpha": 0.8}),
-    "siamese-dyt": ("siamese", {"normalization": "dyt"}),
     "siamese_hybrid-dyt": ("siamese_hybrid", {"normalization": "dyt"}),
 }
 # Mixture of experts, one case per scheme and two more, together covering what routes a token
