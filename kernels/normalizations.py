@@ -56,16 +56,15 @@ class NormKind:
 
 
 def _rms(x: torch.Tensor, p: dict, eps: float) -> torch.Tensor:
-    import torch.nn.functional as F
+    from kernels import reference  # the ground truth the fused kernels are held to
 
-    return F.rms_norm(x.float(), (x.shape[-1],), p["weight"].float(), eps).to(x.dtype)
+    return reference.rms_norm(x, p["weight"], eps)
 
 
 def _layer(x: torch.Tensor, p: dict, eps: float) -> torch.Tensor:
-    import torch.nn.functional as F
+    from kernels import reference
 
-    bias = None if p.get("bias") is None else p["bias"].float()
-    return F.layer_norm(x.float(), (x.shape[-1],), p["weight"].float(), bias, eps).to(x.dtype)
+    return reference.layer_norm(x, p["weight"], p.get("bias"), eps)
 
 
 def _dyt(x: torch.Tensor, p: dict, eps: float) -> torch.Tensor:
