@@ -14,6 +14,7 @@ attention) as on a GPU, so the memory targets of the residual schemes can be che
 the GPU's peak memory (``bench.gpu_step``) adds backward's short-lived buffers on top.
 
     python -m bench.saved_activations [--hidden 256 --heads 4 --seq 128 --dtype bf16]
+                                      [--normalization dyt]
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--norm-backend", default="triton")
+    p.add_argument("--normalization", default="rmsnorm",
+                   help="model.normalization (kernels.normalizations): what every norm is")
     p.add_argument("--experts", type=int, default=0,
                    help="mixture of experts in every block: routed experts (model.num_experts)")
     p.add_argument("--topk", type=int, default=2, help="with --experts: model.moe_router_topk")
@@ -103,7 +106,8 @@ def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
         config = ModelConfig(residual_scheme=scheme, num_layers=layers, hidden_size=args.hidden,
                              num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
                              vocab_size=args.vocab, seq_length=args.seq,
-                             **{**experts(args), **(overrides or {})})
+                             **{"normalization": args.normalization, **experts(args),
+                                **(overrides or {})})
         [model] = build_model(config, ParallelConfig(), dtype, args.norm_backend, seed=0)
         kept.append([saved_bytes(model, batch) for batch in batches])
     short, full = (more - fewer for fewer, more in zip(*kept, strict=True))
@@ -124,7 +128,8 @@ def main(argv=None) -> None:
     h = args.hidden
     print(versions_line())
     print(f"shape: {args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}, "
-          f"batch {args.batch}, {args.dtype}, norms {args.norm_backend}"
+          f"batch {args.batch}, {args.dtype}, {args.normalization} norms "
+          f"({args.norm_backend} backend)"
           + (f", MoE in every block: {args.experts} experts of {args.expert_ffn or args.ffn}, "
              f"top-{args.topk}, shared expert {args.shared_ffn or 'none'}" if args.experts else "")
           + "; bytes per token and "

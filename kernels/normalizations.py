@@ -13,6 +13,10 @@ Face remote code computes each kind by the same name (``pretrain/hf/remote``).
 - ``dyt``: Dynamic Tanh ("Transformers without Normalization", Zhu et al., CVPR 2025),
   w * tanh(alpha x) + b, alpha one learned scalar per norm starting at ``model.dyt_alpha``;
   no statistics, so nothing to fuse across a row, and no eps.
+
+Each kind also says what one of its norms keeps for backward (:class:`Kept`), the one place
+the dry run's activation estimate reads it from (``pretrain.report.dry_run``), held byte for
+byte to what autograd keeps by ``tests/bench/test_saved_activations.py`` for every scheme.
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ class NormParameter:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """What one norm keeps for backward per normalised row of n values, as it runs on the GPU
+    path (the fused Triton kernels for a kind they compute, the reference otherwise).
+
+    ``input``: whether it keeps its input tensor itself, a storage other operations may keep
+    too (the estimate counts it once); ``row_bytes`` and ``value_bytes``: what it keeps of its
+    own per row and per value (statistics, an fp32 copy, an fp32 intermediate)."""
+
+    input: bool
+    row_bytes: int = 0
+    value_bytes: int = 0
+
+    def bytes(self, rows: int, values: int, width: int, input_kept: bool) -> int:
+        """Bytes for ``rows`` rows of ``values`` values in an activation dtype of ``width``
+        bytes; ``input_kept``: another operation keeps the input anyway."""
+        own = rows * (self.row_bytes + values * self.value_bytes)
+        return own + (rows * values * width if self.input and not input_kept else 0)
+
+
+@dataclass(frozen=True)
 class NormKind:
     name: str
     megatron_name: str
@@ -51,6 +75,9 @@ class NormKind:
     """Whether the Triton kernels (``kernels.triton_ops``) compute it."""
     transformer_engine: bool
     """Whether Transformer Engine has it (``kernels.norm_backend te``, TE's fused linears)."""
+    kept: Callable[[int], Kept]
+    """``kept(width)``: what one norm keeps for backward in an activation dtype of ``width``
+    bytes (:class:`Kept`)."""
     eps: bool = True
     """Whether ``model.norm_eps`` enters its computation."""
 
@@ -72,17 +99,30 @@ def _dyt(x: torch.Tensor, p: dict, eps: float) -> torch.Tensor:
     return y.to(x.dtype)
 
 
+def _kernel_kept(_width: int) -> Kept:
+    """The Triton kernels keep a norm's input and two fp32 statistics per row."""
+    return Kept(input=True, row_bytes=8)
+
+
+def _dyt_kept(width: int) -> Kept:
+    """The reference's autograd keeps the fp32 input alpha multiplies (the input itself when it
+    is fp32, else a copy) and the fp32 tanh the weight multiplies: its own 8 bytes per value
+    in bf16, 4 more than its input in fp32."""
+    fp32 = width == 4
+    return Kept(input=fp32, value_bytes=4 if fp32 else 8)
+
+
 WEIGHT = NormParameter("weight", "hidden", 1.0, "norm")
 KINDS: dict[str, NormKind] = {kind.name: kind for kind in (
     NormKind("rmsnorm", "RMSNorm", (WEIGHT,), _rms, fused_kernels=True,
-             transformer_engine=True),
+             transformer_engine=True, kept=_kernel_kept),
     NormKind("layernorm", "LayerNorm",
              (WEIGHT, NormParameter("bias", "hidden", 0.0, "norm", optional=True)), _layer,
-             fused_kernels=True, transformer_engine=True),
+             fused_kernels=True, transformer_engine=True, kept=_kernel_kept),
     NormKind("dyt", "DyT",
              (NormParameter("alpha", "scalar", "dyt_alpha", "scalar"), WEIGHT,
               NormParameter("bias", "hidden", 0.0, "norm")), _dyt,
-             fused_kernels=False, transformer_engine=False, eps=False),
+             fused_kernels=False, transformer_engine=False, kept=_dyt_kept, eps=False),
 )}
 """Every normalization ``model.normalization`` can name."""
 

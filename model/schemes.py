@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from kernels import normalizations
+from model.kept import Kept, hyper_connections, manifold_hyper_connections, norms_only, two_stream
 
 # What the traits' functions are called with: the ModelConfig being built (not imported here,
 # since the config imports this module).
@@ -55,63 +56,6 @@ def _with_prenorm_first_block(model: ModelConfig) -> bool:
     return model.hybrid_first_block is not FirstBlock.HYBRID
 
 
-def _values(count: int) -> Callable[[ModelConfig], int]:
-    """A constant :attr:`Traits.stream_values`."""
-    def values(_model: ModelConfig) -> int:
-        return count
-    return values
-
-
-def _hc_values(model: ModelConfig) -> int:
-    """Per sublayer the n streams it mixes, its norm's input, the branch output it scales into
-    every stream and, dynamic, the normalised streams its weights come from."""
-    n = model.hc_rate
-    return 2 * (2 * n + 2) if model.hc_dynamic else 2 * (n + 2)
-
-
-def _mhc_values(model: ModelConfig) -> int:
-    """Per sublayer the n streams (read by the mapping's product, the aggregation and H_res),
-    its norm's input and the branch output H_post scales (the RMS of the flattened streams is
-    taken after the product, so no normalised copy is kept)."""
-    return 2 * (model.hc_rate + 2)
-
-
-NORM_STATS = 8
-"""Bytes a Triton norm keeps per normalised row for backward: two fp32 statistics."""
-
-
-def _norms(count: int) -> Callable[[ModelConfig, int], int]:
-    """A :attr:`Traits.token_bytes` of ``count`` norms applied per token outside the
-    branches, nothing else."""
-    def token_bytes(_model: ModelConfig, _width: int) -> int:
-        return count * NORM_STATS
-    return token_bytes
-
-
-def _hc_token_bytes(model: ModelConfig, width: int) -> int:
-    """Per sublayer its norm's statistics and, dynamic, per token: the n rows of the streams'
-    norm, the tanh of their projection (n (n + 2) values) and the three weights made from it
-    (width n, depth n^2, output n), each kept by the product that applies it."""
-    n = model.hc_rate
-    if not model.hc_dynamic:
-        return 2 * NORM_STATS
-    return 2 * ((1 + n) * NORM_STATS + (2 * n * n + 4 * n) * width)
-
-
-def _mhc_token_bytes(model: ModelConfig, width: int) -> int:
-    """Per sublayer its norm's statistics and its mappings' per-token values: the fp32 norm of
-    the flattened streams and its reciprocal RMS (2 values), three fp32 copies of the n^2 + 2n
-    mapping logits (the product's fp32 cast, its normalised form the gates multiply, the logits
-    Sinkhorn keeps), H_pre's and H_post's fp32 sigmoids (2n), and the three mappings in the
-    activation dtype the mixing multiplies by (n^2 + 2n; in an fp32 model H_pre's is its
-    sigmoid's output itself). A sublayer's fp32 gate vector, n^2 + 2n values, is kept once
-    whatever the tokens: not per token."""
-    n = model.hc_rate
-    fp32 = 2 + 3 * (n * n + 2 * n) + 2 * n
-    mappings = n * n + (2 * n if width < 4 else n)
-    return 2 * (NORM_STATS + 4 * fp32 + mappings * width)
-
-
 @dataclass(frozen=True)
 class Traits:
     two_stream: bool = False
@@ -133,18 +77,11 @@ class Traits:
     blocks_differ: Callable[[ModelConfig], bool] = _never
     """Whether some blocks hold other parameters than the rest, so checkpoints key each block
     by its global index instead of stacking them."""
-    stream_values: Callable[[ModelConfig], int] = _values(2)
-    """h-sized values per token one block keeps for backward outside its attention and MLP
-    (the dry run's memory estimate): the input of each norm it applies outside them, a branch
-    output a learned scalar or mixing weight multiplies (kept for that weight's gradient), the
-    streams a mixing reads. ``tests/bench/test_saved_activations.py`` holds every scheme's
-    estimate to the tensors autograd keeps."""
-    token_bytes: Callable[[ModelConfig, int], int] = _norms(2)
-    """Bytes per token one block keeps for backward outside its attention and MLP besides
-    those h-sized values, given the activation dtype's bytes per value: its norms' statistics
-    (:data:`NORM_STATS` per norm and row) and its own per-token tensors (gates, mixing
-    weights). Counted so the saved-activations test can hold the estimate exactly: a scheme's
-    per-token tensor left out here fails it."""
+    kept: Kept = norms_only(2)
+    """What one block keeps for backward per token outside its attention and MLP (the dry
+    run's memory estimate; :mod:`model.kept`): which norms it applies, and what else it keeps.
+    ``tests/bench/test_saved_activations.py`` holds every scheme's estimate to the tensors
+    autograd keeps, under every normalization."""
 
     fp32: tuple[str, ...] = ()
     """The scheme's own modules (by attribute name) that compute in fp32 whatever the
@@ -188,35 +125,34 @@ class ResidualScheme(StrEnum):
     POST = "post", Traits(final=FinalNorm.NONE)
     # SiameseNorm post_pre: Post-Norm-like x and Pre-Norm-like y
     SIAMESE = "siamese", Traits(two_stream=True, streams=_two, final=FinalNorm.MERGE,
-                                fields=_SIAMESE_FIELDS, stream_values=_values(3),
-                                token_bytes=_norms(6))  # two fused entries of three norms
+                                fields=_SIAMESE_FIELDS, kept=two_stream(gate=False))
     # SiameseNorm hybrid_pre: x follows HybridNorm
     SIAMESE_HYBRID = "siamese_hybrid", Traits(
         two_stream=True, streams=_two, qkv_norm=True, final=FinalNorm.MERGE,
         fields=(*_SIAMESE_FIELDS, "hybrid_first_block"),
-        blocks_differ=_with_prenorm_first_block, stream_values=_values(3),
-        token_bytes=_norms(6), fp32=("attn_gate",))
+        blocks_differ=_with_prenorm_first_block, kept=two_stream(gate=True),
+        fp32=("attn_gate",))
     # h <- N(alpha h + F(h)); branch weights initialised down by beta (its own depth scaling)
     DEEPNORM = "deepnorm", Traits(final=FinalNorm.NONE, depth_scaled_output_init=False)
     # QKV-norm attention, Post-Norm around the MLP; final norm
     HYBRIDNORM = "hybridnorm", Traits(qkv_norm=True, fields=("hybrid_first_block",),
                                       blocks_differ=_with_prenorm_first_block,
-                                      stream_values=_values(1), token_bytes=_norms(1))
+                                      kept=norms_only(1))
     # Post-Norm in the first blocks, Pre-Norm in the rest; final norm
     MIXLN = "mixln", Traits(fields=("mixln_post_ratio",), blocks_differ=_always)
     # Hyper-connections: n streams, each sublayer reads a mix and writes into all; summed at
     # the end, then a norm
     HC = "hc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME, fields=("hc_rate", "hc_dynamic"),
-                      stream_values=_hc_values, token_bytes=_hc_token_bytes)
+                      kept=hyper_connections)
     # Peri-LN: h <- h + Nout(F(Nin(h))); final norm
-    PERILN = "periln", Traits(stream_values=_values(4), token_bytes=_norms(4))
+    PERILN = "periln", Traits(kept=norms_only(4))
     # OLMo 2: h <- h + N(F(h)) with QK-norm; final norm; no depth-scaled init
     OLMO2 = "olmo2", Traits(qk_norm=True, depth_scaled_output_init=False)
     # Manifold-constrained hyper-connections: n streams mixed by a doubly stochastic H_res,
     # read through H_pre, written through H_post; summed at the end, then a norm
     MHC = "mhc", Traits(streams=_hc_rate, final=FinalNorm.SCHEME,
-                        fields=("hc_rate", "mhc_sinkhorn_iterations"), stream_values=_mhc_values,
-                        token_bytes=_mhc_token_bytes, fp32=("attn_mhc", "mlp_mhc"))
+                        fields=("hc_rate", "mhc_sinkhorn_iterations"),
+                        kept=manifold_hyper_connections, fp32=("attn_mhc", "mlp_mhc"))
 
 
 def schemes_reading(field: str) -> tuple[ResidualScheme, ...]:

@@ -93,17 +93,27 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions, experts: bool) ->
     """What one layer keeps, in an activation dtype of ``width`` bytes, its MLP sublayer
     megatron's MoE layer if ``experts``; the terms are explained in :func:`activation_bytes`."""
     traits = m.residual_scheme.traits
+    kind = m.normalization.kind
+    norm = kind.kept(width)
     h, heads, groups = m.hidden_size, m.num_attention_heads, m.kv_heads
     head_dim = h // heads
     kv = groups * head_dim
-    streams = traits.stream_values(m) * h * width + traits.token_bytes(m, width)
+    outside = traits.kept(m, width, kind.fused_kernels)
+    streams = (outside.values * h * width + outside.bytes
+               + norm.bytes(outside.norms, h, width, input_kept=False)
+               + norm.bytes(outside.shared_norms, h, width, input_kept=True))
     dropout_masks = 2 * h if m.hidden_dropout > 0 else 0
     whole = streams + 2 * h * width + dropout_masks  # + the two branch inputs
-    attention = (h + 2 * kv + h + kv + h) * width + 4 * heads
+    # Q and K after RoPE, the attention output, the logsumexp; the QKV output stays while V is
+    # a view of it, so not under QKV-norm, where the head norms read it
+    attention = (h + kv + h) * width + 4 * heads
     if traits.qkv_norm:
-        attention += kv * width + 8 * (heads + 2 * groups)
-    elif traits.qk_norm:
-        attention += 8 * (heads + groups)
+        attention += kv * width + norm.bytes(heads + 2 * groups, head_dim, width,
+                                             input_kept=False)
+    else:
+        attention += (h + 2 * kv) * width
+    if traits.qk_norm:
+        attention += norm.bytes(heads + groups, head_dim, width, input_kept=True)
     unfused_rope = m.position_embedding is PositionEmbedding.ROPE and not fusions.rope
     rope = 4 * head_dim * width if unfused_rope else 0
     if not experts:
@@ -111,6 +121,21 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions, experts: bool) ->
         return LayerBytes(whole, attention + mlp, rope)
     moe = expert_bytes(m, width, fusions.activation)
     return LayerBytes(whole + moe.router, attention + moe.split, rope, moe.tokens)
+
+
+def closing_bytes(m: ModelConfig, width: int) -> int:
+    """Bytes per token what closes the decoder keeps for backward (see :func:`activation_bytes`),
+    besides the output layer's input."""
+    kind = m.normalization.kind
+    norm = kind.kept(width)
+    h, final = m.hidden_size, m.residual_scheme.traits.final
+    if final is FinalNorm.NONE:
+        return 0
+    if final is not FinalNorm.MERGE:  # a norm; hyper-connections' after the stream sum
+        return norm.bytes(1, h, width, input_kept=False)
+    if kind.fused_kernels:  # one pass keeping the packed streams and each norm's statistics
+        return 2 * h * width + norm.bytes(3, h, width, input_kept=True)
+    return norm.bytes(3, h, width, input_kept=False)
 
 
 def first_stage_blocks(layers: int, p: ParallelConfig) -> list[int]:
@@ -135,8 +160,9 @@ def estimated_layer_bytes(model: ModelConfig, width: int, fusions: Fusions,
 def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) -> float:
     """Activation memory of the busiest GPU in one step, in bytes: what forward keeps for
     backward, tensor by tensor, on the GPU path (megatron's local linears, SDPA flash attention,
-    the fused Triton norms; Transformer Engine's modules and the torch norm backend keep other
-    tensors). ``fusions``: those of the GPU run planned (:meth:`Fusions.planned`) unless given.
+    the fused Triton norms for the normalizations they compute, the others' reference;
+    Transformer Engine's modules and the torch norm backend keep other tensors).
+    ``fusions``: those of the GPU run planned (:meth:`Fusions.planned`) unless given.
 
     Per token and layer, in values of the activation dtype (w bytes each), with h the hidden
     size, a heads, g K/V groups, kv = g x head_dim, f the MLP width and n the residual streams
@@ -145,35 +171,40 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     - attention: h, the QKV input; h + 2kv, the QKV output (V is a view of it, so all of it
       stays); h + kv, Q and K after RoPE; h, the attention output, which is also the output
       projection's input; 4a bytes of fp32 logsumexp (flash attention keeps no s x s scores).
-      QKV-norm adds kv (the normalised V; its fused kernel reads the QKV output, kept anyway,
-      and writes Q and K where RoPE reads them) and 8 (a + 2g) bytes of per-head-row fp32
-      statistics; QK-norm (olmo2) only the statistics of Q and K, 8 (a + g) bytes.
+      QKV-norm adds kv (the normalised V), and its head norms keep what their kind keeps of
+      a + 2g rows of head_dim values, the QKV output being their input (the fused kernel
+      keeps it: the same h + 2kv; a DyT keeps its fp32 copies instead, and then nothing keeps
+      the QKV output); QK-norm (olmo2) what its kind keeps of a + g rows beyond the QKV
+      output, which V keeps (the kernels: their statistics, 8 (a + g) bytes).
       Unfused RoPE (megatron's without Transformer Engine) keeps the cos and sin it applies
       to Q and to K: 4 head_dim values per position, which a micro-batch's sequences share
       unless each token has its own position (``data.reset_position_ids``).
     - MLP: h, the fc1 input; 2f, the fc1 output (f for GELU); then megatron's unfused SwiGLU
       keeps silu(gate), up + 0 (its glu_linear_offset add copies) and their product, the fc2
       input: 3f; with the activation fusion only the product, f; GELU its output, f.
-    - streams: what a block keeps outside its branches, ``Traits.stream_values`` h-sized
-      values. One stream: the input of every norm outside the branches, h each: 2h (pre,
-      post, ...), h (hybridnorm: its attention has no norm in front), 4h (periln: the branch
-      outputs' norms keep them too); a branch output scaled by a learned weight keeps that
-      output too. SiameseNorm (3h): the fused norm kernels keep their inputs, not their
-      outputs: 2h, the layer input, read by the attention entry; the MLP entry re-derives the
-      updated streams from it and the attention output r (recomputing u = Npost(x)), so it
-      keeps h more, r. With QKV-norm (the hybrid form) x reaches attention through the
-      channel gate, which keeps x itself, a half of the layer input.
+    - streams: what a block keeps outside its branches (``Traits.kept``, :mod:`model.kept`):
+      its norms, each keeping what its kind keeps (``kernels.normalizations.Kept``: the fused
+      kernels their input, h, and two fp32 statistics per row, 8 bytes; a DyT its fp32 input
+      copy and fp32 tanh, 8h bytes in bf16), and the other values it keeps. One stream: 2
+      norms (pre, post, ...), 1 (hybridnorm: its attention has no norm in front), 4 (periln:
+      the branch outputs' norms too). SiameseNorm under the fused kernels (3h and six rows of
+      statistics): the kernels keep their inputs, not their outputs: 2h, the layer input,
+      read by the attention entry; the MLP entry re-derives the updated streams from it and
+      the attention output r (recomputing u = Npost(x)), so it keeps h more, r. With QKV-norm
+      (the hybrid form) x reaches attention through the channel gate, which keeps x itself, a
+      half of the layer input. With a normalization the kernels do not compute (DyT) each of
+      the six norms runs on its own and keeps what its kind keeps of its own input (the
+      hybrid form: three, the gated entry's norm reading y of the layer input the gate
+      keeps).
       Hyper-connections (n streams, not measured on a GPU yet): per sublayer the streams it
       mixes and writes (n h), the mixed input of its norm (h), the branch output it scales
       into every stream (h) and, dynamic, the normalised streams its weights come from (n h).
       mHC: per sublayer the streams (n h, read by the mapping's product, the aggregation and
       H_res), its norm's input (h) and the branch output H_post scales (h); the flattened
       streams' RMS is applied after the product, so no normalised copy is kept.
-      Next to these, ``Traits.token_bytes``: the statistics of each norm outside the
-      branches (two fp32 values per row of the Triton norms: 8 bytes per token and norm) and
-      a scheme's own per-token tensors, such as the mixing coefficients of hc and mhc
-      (O(n^2) values per sublayer; mHC's Sinkhorn keeps only its logits and recomputes its
-      iterations in backward).
+      Next to these, a scheme's own per-token tensors, such as the mixing coefficients of hc
+      and mhc (O(n^2) values per sublayer; mHC's Sinkhorn keeps only its logits and
+      recomputes its iterations in backward), and dynamic hc's norm of the n streams.
     - dropout: a 1-byte mask per branch output (2h bytes) when hidden_dropout > 0.
     - document attention (data.document_attention): the micro-batch's int32 document ids, 4
       bytes per token, shared by every layer (flex attention's block mask is O((s/128)^2),
@@ -194,9 +225,13 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     periln 9h + 3kv + 5f, siamese 8h + 3kv + 5f, siamese_hybrid 8h + 4kv + 5f, hc
     (4n + 9)h + 3kv + 5f dynamic and (2n + 9)h + 3kv + 5f static, mhc (2n + 9)h + 3kv + 5f
     (2f less each with the activation fusion), plus RoPE's 4 head_dim values per position
-    and each scheme's ``Traits.token_bytes``.
-    The decoder's end keeps h (the output layer's input) plus the input of what closes it: h
-    (final norm), n h (SiameseNorm's merge) or nothing (the Post-Norm family). The loss peaks
+    and the bytes of the scheme's own tensors and of its norms' statistics, under the fused
+    kernels (RMSNorm, LayerNorm); a DyT keeps 3h more than a kernel's norm (fp32 copy and
+    tanh, 4h, in place of the input, h) for each norm, the two-stream schemes more again.
+    The decoder's end keeps h (the output layer's input) plus what closes it keeps
+    (:func:`closing_bytes`): a norm's (hyper-connections' after the stream sum), the merge's
+    packed 2h and three rows of statistics (unfused, its three norms'), or nothing (the
+    Post-Norm family). The loss peaks
     with the [s, b, V/tp] logits held as an fp32 softmax for backward next to the logits in the
     activation dtype (forward) or their gradient (backward): 4 + w bytes per entry (4 in fp32);
     megatron's fused (compiled) cross entropy holds one fp32 copy more: + 4.
@@ -206,8 +241,7 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     layer being recomputed; selective recomputation (core attention) saves next to nothing with
     flash attention and counts as none. The terms inside the branches split over TP, their
     inputs and the rest only with sequence parallelism; RoPE's cos/sin neither. Left out:
-    backward's short-lived buffers, the statistics of the norms that close the decoder (8 to
-    24 bytes per token, once) and what a layer keeps once whatever the tokens (mHC's fp32
+    backward's short-lived buffers and what a layer keeps once whatever the tokens (mHC's fp32
     gate vectors, 4 (n^2 + 2n) bytes per sublayer). Against one H100 at the paper's 1.3B
     shape this is within 0.5% for the schemes measured with today's kernels; per layer, every
     scheme's count per token is held exactly to the tensors autograd keeps (README,
@@ -238,11 +272,7 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
         per_microbatch = sum(kept[experts] for experts in first_stage)
     if d.document_attention:
         per_microbatch += 4
-    # what closes the decoder keeps its input: a norm's h, the merge's n h, hyper-connections'
-    # final norm (after the stream sum) h
-    closing = {FinalNorm.NORM: h, FinalNorm.MERGE: streams * h, FinalNorm.NONE: 0,
-               FinalNorm.SCHEME: h}
-    end = (h + closing[m.residual_scheme.traits.final]) * width / sp
+    end = (h * width + closing_bytes(m, width)) / sp
     logit_bytes = 4 + (width if width < 4 else 0) + (4 if fusions.cross_entropy else 0)
     last_stage = end + logit_bytes * m.padded_vocab_size / p.tp
     return tokens * (in_flight * per_microbatch + (last_stage if p.pp == 1 else 0))
@@ -298,17 +328,6 @@ def state_bytes_per_gpu(config: Config, params: ParameterCount, world: int,
             + muon.dense / (p.tp * p.pp) * per_parameter(dp, MUON_STATE)
             + (params.routed - muon.routed) / expert_group * per_parameter(expert_dp)
             + muon.routed / expert_group * per_parameter(expert_dp, MUON_STATE))
-
-
-def _unfused_norm_note(m: ModelConfig) -> list[str]:
-    """A line where the activation estimate does not hold: it counts what the fused kernels'
-    RMSNorm and LayerNorm keep, and a normalization they do not compute keeps more."""
-    if m.normalization.kind.fused_kernels:
-        return []
-    return [f"note: the activation estimate counts RMSNorm's and LayerNorm's fused kernels; "
-            f"model.normalization {m.normalization} keeps more, not counted yet (measured on "
-            "the CPU in bf16 at width 256: 3.0 KB more per token and layer for pre, twice the "
-            "layer's for siamese; docs/limits.md#normalizations)"]
 
 
 # Above the resolved config: a comment, so the printed config stays TOML a user can copy.
@@ -405,6 +424,5 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         fusions.line(config),
         f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
         f"total about {weights_gb + activations_gb:.1f} GiB",
-        *_unfused_norm_note(m),
     ]
     return "\n".join(lines)

@@ -2,9 +2,10 @@
 model (Triton norms, interpreted on a CPU machine), against the dry run's per-layer estimate.
 
 The estimate (``pretrain.report.dry_run``) is derived from the code's design, tensor by tensor,
-a scheme's own share declared with it (``Traits.stream_values``, ``Traits.token_bytes``); the
-count comes from autograd's saved-tensor hooks (``bench.saved_activations``), so a module that
-starts keeping one more activation, or a kernel that stops keeping one, shows here.
+a scheme's own share declared with it (``Traits.kept``, :mod:`model.kept`) and a norm's with
+its kind (``kernels.normalizations.Kept``); the count comes from autograd's saved-tensor
+hooks (``bench.saved_activations``), so a module that starts keeping one more activation, or
+a kernel that stops keeping one, shows here, for every scheme under every normalization.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import pytest
 
 from bench import saved_activations
+from kernels import normalizations
 from model.config import ModelConfig
 from model.schemes import ResidualScheme
+from tests.helpers import NORMS, norm_fields
 
 pytestmark = pytest.mark.slow
 
@@ -31,27 +34,70 @@ SCHEMES = [s.value for s in ResidualScheme]
 ROUNDING = 0
 
 
+DEFAULT_NORM = NORMS[0]
+
+
 @pytest.fixture(scope="module")
-def kept(single_rank):
-    """Bytes per token and layer, measured and estimated, for each scheme."""
-    return {s: saved_activations.layer_bytes(ARGS, s) for s in SCHEMES}
+def measured(single_rank):
+    """Bytes per token and layer, measured and estimated, for each scheme and normalization,
+    counted once a pair is first asked for."""
+    found = {}
+
+    def layer(scheme: str, norm: str = DEFAULT_NORM) -> dict:
+        if (scheme, norm) not in found:
+            found[scheme, norm] = saved_activations.layer_bytes(ARGS, scheme, norm_fields(norm))
+        return found[scheme, norm]
+    return layer
 
 
+@pytest.fixture(scope="module")
+def kept(measured):
+    """Bytes per token and layer, measured and estimated, for each scheme (RMSNorm)."""
+    return {s: measured(s) for s in SCHEMES}
+
+
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_estimate_accounts_for_every_kept_activation(kept, scheme):
-    """Every registered scheme: what autograd keeps per token and layer equals the dry run's
-    estimate, a scheme's own per-token tensors (norm statistics, gates, mixing weights)
-    included, so a tensor kept and not counted (or counted and not kept) fails here, naming
-    the scheme and the bytes."""
-    gap = kept[scheme]["measured"] - kept[scheme]["estimated"]
+def test_estimate_accounts_for_every_kept_activation(measured, scheme, norm):
+    """Every registered scheme under every normalization: what autograd keeps per token and
+    layer equals the dry run's estimate, the norms' share (statistics, a DyT's fp32 copies)
+    and a scheme's own per-token tensors (gates, mixing weights) included, so a tensor kept
+    and not counted (or counted and not kept) fails here, naming the pair and the bytes."""
+    result = measured(scheme, norm)
+    gap = result["measured"] - result["estimated"]
     assert abs(gap) <= ROUNDING, (
-        f"{scheme}: a layer keeps {kept[scheme]['measured']:.0f} bytes per token for backward, "
-        f"the dry run estimates {kept[scheme]['estimated']:.0f} ({gap:+.0f}): find the "
+        f"{scheme} with {norm}: a layer keeps {result['measured']:.0f} bytes per token for "
+        f"backward, the dry run estimates {result['estimated']:.0f} ({gap:+.0f}): find the "
         "tensor (autograd's saved-tensor hooks, as bench.saved_activations counts). One the "
-        "layer should not keep "
-        "(a computation in the wrong dtype, a copy) is fixed in the layer, and "
-        "tests/model/test_precision.py names a dtype; one the scheme needs is declared in its "
-        "Traits.token_bytes (h-sized ones in stream_values)")
+        "layer should not keep (a computation in the wrong dtype, a copy) is fixed in the "
+        "layer, and tests/model/test_precision.py names a dtype; one a norm keeps is declared "
+        "by its kind (Kept, kernels/normalizations.py); one the scheme keeps outside its "
+        "branches, in its Traits.kept (model/kept.py)")
+
+
+FP32_ARGS = saved_activations.parse_args([*[f"--{k}={v}" for k, v in vars(ARGS).items()
+                                            if k in ("hidden", "heads", "ffn", "seq", "vocab")],
+                                          "--dtype=fp32"])
+
+
+def _by_dtype(norm: str) -> bool:
+    """Whether a kind declares keeping another share in fp32 than in bf16 (a DyT keeps its
+    input itself in fp32, a copy in bf16)."""
+    kind = normalizations.kind(norm_fields(norm)["normalization"])
+    return kind.kept(4) != kind.kept(2)
+
+
+@pytest.mark.parametrize("norm", [n for n in NORMS if _by_dtype(n)])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_estimate_follows_the_dtype(single_rank, scheme, norm):
+    """In an fp32 model, every scheme under each normalization whose kept share depends on the
+    dtype: the estimate holds there too (the kernels' share does not change with it)."""
+    result = saved_activations.layer_bytes(FP32_ARGS, scheme, norm_fields(norm))
+    gap = result["measured"] - result["estimated"]
+    assert abs(gap) <= ROUNDING, (
+        f"{scheme} with {norm} in fp32: a layer keeps {result['measured']:.0f} bytes per "
+        f"token, the dry run estimates {result['estimated']:.0f} ({gap:+.0f}): what the kind "
+        "keeps in fp32 is declared by its Kept (kernels/normalizations.py)")
 
 
 def test_second_stream_costs_one_value_per_token_and_layer(kept):
@@ -60,12 +106,13 @@ def test_second_stream_costs_one_value_per_token_and_layer(kept):
     which the attention entry keeps): SiameseNorm keeps h more per layer than Pre-Norm, the
     hybrid form 2h more than HybridNorm (whose attention has no norm in front to keep an
     input; the channel gate keeps x itself, no fp32 copy), each besides its norms'
-    statistics (``Traits.token_bytes``)."""
+    statistics (8 bytes per row of the fused kernels)."""
     h = HIDDEN * WIDTH
 
     def stats(scheme: str) -> int:
-        return ResidualScheme(scheme).traits.token_bytes(ModelConfig(residual_scheme=scheme),
-                                                          WIDTH)
+        outside = ResidualScheme(scheme).traits.kept(ModelConfig(residual_scheme=scheme),
+                                                     WIDTH, True)
+        return 8 * (outside.norms + outside.shared_norms)
 
     extra = kept["siamese"]["measured"] - kept["pre"]["measured"]
     extra_hybrid = kept["siamese_hybrid"]["measured"] - kept["hybridnorm"]["measured"]

@@ -90,7 +90,7 @@ def test_per_layer_memory_summaries_name_every_scheme(where):
     named = set(re.findall(r"\b[a-z][a-z0-9_]*\b", sentence)) & set(REGISTERED)
     assert named == set(REGISTERED), (
         f"{where}: the per-layer memory sentence leaves out {sorted(set(REGISTERED) - named)}: "
-        "add each one's bytes per layer (its Traits.stream_values; measured by python -m "
+        "add each one's bytes per layer (its Traits.kept; measured by python -m "
         "bench.saved_activations --schemes pre,<name>)")
 
 

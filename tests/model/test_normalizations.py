@@ -21,7 +21,6 @@ from model.builder import build_model
 from model.config import ModelConfig, ParallelConfig
 from model.schemes import Normalization
 from model.spec import plain_norm
-from pretrain.report.dry_run import _unfused_norm_note
 from runtime.errors import ConfigError
 from tests.helpers import tiny_model
 
@@ -103,10 +102,3 @@ def test_transformer_engine_refuses_a_kind_it_does_not_have():
         "kernels.norm_backend (te) computes rmsnorm and layernorm (Transformer Engine's "
         "norms), not model.normalization dyt: set --kernels.norm_backend=torch (or triton on "
         "a GPU)")
-
-
-def test_the_dry_run_says_where_its_activation_estimate_does_not_hold():
-    assert _unfused_norm_note(ModelConfig()) == []
-    [note] = _unfused_norm_note(ModelConfig(normalization="dyt"))
-    assert note.startswith("note: the activation estimate counts RMSNorm's and LayerNorm's "
-                           "fused kernels; model.normalization dyt keeps more, not counted")
