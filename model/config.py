@@ -368,6 +368,13 @@ class ParallelConfig:
     every MoE block are split over this many ranks, tokens travel to their experts by
     all-to-all. Expert ranks are carved from the data-parallel ranks (and, with etp below tp,
     the tensor-parallel ones), so ep x etp x pp must divide the world size."""
+    cp: int = 1
+    """Context parallelism (megatron's ``context_parallel_size``): every sequence is split over
+    this many ranks, each running every layer on two of its 2 x cp chunks (balanced under
+    causal attention); the attention gathers the whole sequence's keys and values
+    (``model.context_parallel``). For long sequences: activation memory per rank falls by cp.
+    Context ranks are carved from the data-parallel ones, so tp x cp x pp must divide the
+    world size (docs/parallelism.md#context-parallelism)."""
     etp: int | None = None
     """Expert tensor parallelism (megatron's ``expert_tensor_parallel_size``): the
     tensor-parallel split of each expert's matrices; default parallel.tp. 1 keeps experts whole,
@@ -381,12 +388,18 @@ class ParallelConfig:
         return self.vp or 1
 
     @property
+    def replica(self) -> int:
+        """Ranks holding one model replica's share of the data: tp x cp x pp (data parallelism
+        takes the world size over it)."""
+        return self.tp * self.cp * self.pp
+
+    @property
     def expert_tp(self) -> int:
         """The tensor-parallel size of the experts (``etp``, default ``tp``)."""
         return self.tp if self.etp is None else self.etp
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "recompute_num_layers", "ep"):
+        for name in ("tp", "pp", "cp", "recompute_num_layers", "ep"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1,
                      f"parallel.{name} ({value!r}) must be a positive integer")
@@ -433,10 +446,19 @@ def _validate_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
     require(model.num_layers % stages == 0,
              f"model.num_layers ({model.num_layers}) must be divisible by parallel.pp x "
              f"parallel.vp ({parallel.pp} x {parallel.model_chunks} = {stages})")
+    cp = parallel.cp
+    if cp > 1:
+        require(model.seq_length % (2 * cp) == 0,
+                 f"model.seq_length ({model.seq_length}) must be divisible by 2 x parallel.cp "
+                 f"({2 * cp}): each context-parallel rank holds two of 2 x cp equal chunks")
     if parallel.sequence_parallel:
-        require(model.seq_length % tp == 0,
+        local = model.seq_length // cp
+        require(local % tp == 0,
                  f"parallel.tp ({tp}) must divide model.seq_length ({model.seq_length}) "
-                 "with sequence parallelism")
+                 "with sequence parallelism" if cp == 1 else
+                 f"parallel.tp ({tp}) must divide each context-parallel rank's share of "
+                 f"model.seq_length ({model.seq_length} / parallel.cp {cp} = {local}) with "
+                 "sequence parallelism")
     if parallel.recompute is Recompute.FULL:
         per_chunk = model.num_layers // stages
         require(parallel.recompute_num_layers <= per_chunk,

@@ -52,7 +52,7 @@ def _ids(mask: torch.Tensor) -> torch.Tensor:
 _last: dict[str, tuple] = {}
 
 
-def _once_per_mask(kind: str, mask: torch.Tensor, shape: tuple, make: Callable[[], object]):
+def once_per_mask(kind: str, mask: torch.Tensor, shape: tuple, make: Callable[[], object]):
     """What ``make`` derives from one micro-batch's ids, made once for all its layers (which
     are called with the same tensor) and so held once by autograd, not once per layer. The
     last result of each kind is kept with a weak reference to the ids it came from: a new
@@ -73,7 +73,7 @@ def _once_per_mask(kind: str, mask: torch.Tensor, shape: tuple, make: Callable[[
 def keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     """[b, 1, sq, sk] bool, True where a query may attend to a key: the same document and not
     later. Queries are the last ``sq`` of the ``sk`` positions (bottom-right aligned)."""
-    return _once_per_mask("keep", mask, (sq, sk), lambda: _keep_mask(mask, sq, sk))
+    return once_per_mask("keep", mask, (sq, sk), lambda: _keep_mask(mask, sq, sk))
 
 
 def _keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _keep_mask(mask: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
 def spans(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per row, the (start, end) positions of each document, made once per micro-batch (read
     on the host: for the CPU's one-call-per-document path)."""
-    return _once_per_mask("spans", mask, (), lambda: _spans(mask))
+    return once_per_mask("spans", mask, (), lambda: _spans(mask))
 
 
 def _spans(mask: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -106,7 +106,7 @@ def flex_block_mask(mask: torch.Tensor, sq: int, sk: int):
     wholly outside every document are skipped. Making it evaluates the rule once over the
     s x s grid (transiently, once per micro-batch); nothing of that size is kept, and the
     attention itself never forms one."""
-    return _once_per_mask("flex", mask, (sq, sk), lambda: _flex_block_mask(mask, sq, sk))
+    return once_per_mask("flex", mask, (sq, sk), lambda: _flex_block_mask(mask, sq, sk))
 
 
 def _flex_block_mask(mask: torch.Tensor, sq: int, sk: int):

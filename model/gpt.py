@@ -8,6 +8,10 @@ megatron's rotary table (positions 0..s-1, [s, 1, 1, d]) and gathers each token'
 position id ([s, b, 1, d]); megatron's rotary application broadcasts either shape. Its fused
 RoPE kernel takes only the first, so such a model is built without it
 (``model.megatron_config.transformer_config``).
+
+Under context parallelism megatron's table holds only this rank's positions (its two chunks
+of the sequence, ``runtime.context``); position ids are positions in the whole sequence, so
+the rows are gathered from the whole table instead.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ class GPT(GPTModel):
         rotary = output[1]
         if not self.positions_per_token or rotary is None or position_ids is None:
             return output
+        if self.config.context_parallel_size > 1:
+            rotary = self.rotary_pos_emb.get_emb(
+                position_ids.shape[1] * self.config.context_parallel_size)
         table = rotary[:, 0, 0, :]  # [positions, d]
         per_token = table[position_ids.t().long()].unsqueeze(2)  # [s, b, 1, d]
         return (output[0], per_token, *output[2:])

@@ -71,6 +71,7 @@ def transformer_config(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vp,
+        context_parallel_size=parallel.cp,
         sequence_parallel=parallel.sequence_parallel,
         recompute_granularity=None if recompute is Recompute.NONE else recompute.value,
         recompute_method="uniform" if recompute is Recompute.FULL else None,

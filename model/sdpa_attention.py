@@ -40,8 +40,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-from model import documents
-from runtime import device
+from model import context_parallel, documents
+from runtime import context, device
 
 _FLASH_MAX_HEAD_DIM = 256
 SPLIT_FROM = 512
@@ -101,7 +101,6 @@ class SDPAttention(MegatronModule):
     ):
         super().__init__(config=config)
         unsupported = {
-            "context_parallel_size > 1": config.context_parallel_size > 1,
             "softmax_type other than vanilla": config.softmax_type != "vanilla",
             "window_size (sliding-window attention)": config.window_size is not None,
         }
@@ -155,6 +154,20 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPA core attention supports neither packed sequences nor an "
                              "attention bias; use attention_backend te")
+        if context.size() > 1:
+            if attention_mask is not None and not documents.is_document_ids(attention_mask):
+                raise ValueError("context parallelism takes causal attention, with or without "
+                                 "document ids; not a given mask")
+            return context_parallel.attention(
+                query, key, value, attention_mask,
+                lambda q, k, v, ids: self._attend(q, k, v, ids, AttnMaskType.causal))
+        return self._attend(query, key, value, attention_mask,
+                            attn_mask_type or self.attn_mask_type)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, mask_type: AttnMaskType) -> torch.Tensor:
+        """[sq, b, heads x d]: the queries against the keys, the queries being the last sq of
+        the sk positions (bottom-right aligned, as in decoding)."""
         sq, b, heads, head_dim = query.shape
         sk = key.size(0)
         groups = heads // key.size(2)
@@ -166,26 +179,25 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         # [s, b, h, d] -> [b, h, s, d]: a view; the kernels accept these strides.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if documents.is_document_ids(attention_mask) and sq == sk:
-            context = None
+        if documents.is_document_ids(attention_mask):
+            attended = None
             kernel = self._document_kernel(sq)
             if kernel == DocumentKernel.FLEX and dropout_p == 0.0:
                 block_mask = documents.flex_block_mask(attention_mask, sq, sk)
-                context = _flex(q, k, v, block_mask, self.softmax_scale, gqa)
-            elif kernel == DocumentKernel.SPLIT:
+                attended = _flex(q, k, v, block_mask, self.softmax_scale, gqa)
+            elif kernel == DocumentKernel.SPLIT and sq == sk:
                 with self._dropout_rng(dropout_p):
-                    context = self._per_document(q, k, v, attention_mask, dropout_p, gqa)
-            if context is not None:
-                return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
-        mask, causal = self._mask(attention_mask, attn_mask_type or self.attn_mask_type, sq, sk,
-                                  query.device)
+                    attended = self._per_document(q, k, v, attention_mask, dropout_p, gqa)
+            if attended is not None:
+                return attended.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+        mask, causal = self._mask(attention_mask, mask_type, sq, sk, query.device)
         with self._dropout_rng(dropout_p):
-            context = F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
                 scale=self.softmax_scale, **({"enable_gqa": True} if gqa else {}),
             )
         # [b, h, sq, d] -> [sq, b, h * d]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
 
     def _document_kernel(self, sq: int) -> str:
         if self.documents is not None:

@@ -49,6 +49,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # a host copy staged for a GPU (context parallelism's
+            kwargs = {**kwargs, "pin_memory": False}  # chunk indices): there is none
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

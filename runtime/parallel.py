@@ -23,6 +23,7 @@ class Layout(Protocol):
     tp: int
     pp: int
     vp: int | None
+    cp: int
     ep: int
     expert_tp: int
 
@@ -57,6 +58,7 @@ def initialize(parallel: Layout, seed: int = 1234, graph_safe_rng: bool = False)
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vp,
+        context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
     )

@@ -15,18 +15,30 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from runtime import context
+
 
 def lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """The micro-batch's mean cross entropy over its unmasked tokens. Under context
+    parallelism each rank holds a share of every sequence: it returns its own tokens' sum over
+    the whole sequence's count (megatron's schedule multiplies that by the context-parallel
+    size, and DDP averages gradients over data x context ranks, so the gradient is the whole
+    sequence's mean), and reports the whole sequence's mean."""
     mask = loss_mask.reshape(-1).float()
-    loss = (per_token_loss.float().reshape(-1) * mask).sum() / mask.sum()
-    # The schedule scales the returned loss in place; report an independent copy.
-    return loss, {"lm loss": loss.detach().clone()}
+    total = (per_token_loss.float().reshape(-1) * mask).sum()
+    if context.size() == 1:
+        loss = total / mask.sum()
+        # The schedule scales the returned loss in place; report an independent copy.
+        return loss, {"lm loss": loss.detach().clone()}
+    whole_total, whole_count = context.sequence_sums(torch.stack([total, mask.sum()]))
+    return total / whole_count, {"lm loss": whole_total / whole_count}
 
 
 def forward_step(data_iterator: Iterator[dict], model):
-    """A micro-batch's forward; its ``attention_mask``, when present, is document ids
-    (model.documents), read by every pipeline stage from its own copy of the micro-batch."""
-    batch = next(data_iterator)
+    """A micro-batch's forward on this rank's share of it (:func:`runtime.context.split_batch`);
+    its ``attention_mask``, when present, is document ids (model.documents), read by every
+    pipeline stage from its own copy of the micro-batch."""
+    batch = context.split_batch(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
     return output, partial(lm_loss, batch["loss_mask"])

@@ -47,6 +47,9 @@ LAYOUTS = {
     "pp2-vp2": dict(pp=2, vp=2),
     "tp2-pp2": dict(tp=2, pp=2),
     "dp2": dict(),
+    "cp2": dict(cp=2),
+    "cp2-tp2-sp": dict(cp=2, tp=2, sequence_parallel=True),
+    "cp2-pp2": dict(cp=2, pp=2),
 }
 TRAIN_STEPS = 5
 # fp32 on gloo, the same weights and tokens; only the order of sums differs between layouts
@@ -70,7 +73,7 @@ GRAD_BOUND = 5e-5
 GRAD_BOUNDS = {"hc": 5e-4, "mhc": 5e-4}
 WORLD = {"tp2": 2, "tp2-sp": 2, "pp2": 2, "pp2-vp2": 2, "tp2-pp2": 4, "dp2": 2,
          "ep2": 2, "ep2-tp2-sp": 4, "ep2-pp2": 4, "tp2-sp-etp1": 2, "ep1-dp2": 2,
-         "ep1-tp2-sp": 2}
+         "ep1-tp2-sp": 2, "cp2": 2, "cp2-tp2-sp": 4, "cp2-pp2": 4, "cp2-ep2": 2}
 
 # Mixture of experts: every registered scheme with megatron's MoE layer as F (4 experts, top-2),
 # its balancing loss and z-loss on at coefficients large enough that their share of each
@@ -102,6 +105,8 @@ EXPERT_LAYOUTS = {
     # holds the data-parallel ranks, and split over the expert TP group, the TP ranks
     "ep1-dp2": dict(),
     "ep1-tp2-sp": dict(tp=2, sequence_parallel=True),
+    # context parallelism over the expert ranks: each routes its share of every sequence
+    "cp2-ep2": dict(cp=2, ep=2),
 }
 # Every registered normalization besides the default rmsnorm (kernels.normalizations, with a
 # bias where it is optional), alternating over the registry as the expert variants do, so each
