@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallelism: this many gloo processes share each sequence "
+                        "(parallel.cp); bytes per token of a rank's share")
     p.add_argument("--norm-backend", default="triton")
     p.add_argument("--normalization", default="rmsnorm",
                    help="model.normalization (kernels.normalizations): what every norm is")
@@ -60,16 +63,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def saved_bytes(model, batch) -> int:
+def saved_bytes(model, batch, skip=None) -> int:
     """Bytes of the distinct storages autograd keeps for backward in one forward of ``model``
-    (parameters excluded). A tensor saved by a part of the graph that forward then drops (a
-    branch no output depends on) is freed, and its address can be reused by a later one, so
-    storages are told apart only among the tensors still held when forward ends."""
+    (parameters excluded; ``skip``: a tensor's predicate for leaving it out too). A tensor
+    saved by a part of the graph that forward then drops (a branch no output depends on) is
+    freed, and its address can be reused by a later one, so storages are told apart only
+    among the tensors still held when forward ends."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: list[weakref.ref] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(weakref.ref(t))
+        if skip is None or not skip(t):
+            saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -92,15 +97,18 @@ def experts(args) -> dict:
 
 def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
     """Bytes one layer of ``scheme`` keeps: per token, measured and estimated, and measured
-    once whatever the tokens. ``overrides``: more model fields (a router's variants)."""
+    once whatever the tokens. ``overrides``: more model fields (a router's variants). Under
+    context parallelism (``--cp``, inside its process groups) per token of this rank's
+    share of the sequence."""
     from model.builder import build_model
     from model.config import ModelConfig, ParallelConfig
     from pretrain.report.dry_run import Fusions, estimated_layer_bytes
-    from runtime import device
+    from runtime import context, device
 
     dtype = DTYPES[args.dtype]
     lengths = (args.seq // 2, args.seq)
-    batches = [random_batch(args.vocab, args.batch, s, device.compute_device()) for s in lengths]
+    batches = [context.split_batch(random_batch(args.vocab, args.batch, s,
+                                                device.compute_device())) for s in lengths]
     kept = []  # [layers][length]
     for layers in (args.layers, args.layers + 1):
         config = ModelConfig(residual_scheme=scheme, num_layers=layers, hidden_size=args.hidden,
@@ -108,33 +116,90 @@ def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
                              vocab_size=args.vocab, seq_length=args.seq,
                              **{"normalization": args.normalization, **experts(args),
                                 **(overrides or {})})
-        [model] = build_model(config, ParallelConfig(), dtype, args.norm_backend, seed=0)
-        kept.append([saved_bytes(model, batch) for batch in batches])
+        [model] = build_model(config, ParallelConfig(cp=args.cp), dtype, args.norm_backend,
+                              seed=0)
+        kept.append([saved_bytes(model, batch, _cpu_causal_masks(args, batch))
+                     for batch in batches])
     short, full = (more - fewer for fewer, more in zip(*kept, strict=True))
-    per_token = (full - short) / (args.batch * (lengths[1] - lengths[0]))
+    local = [length // args.cp for length in lengths]
+    per_token = (full - short) / (args.batch * (local[1] - local[0]))
     tc = model.config
     fusions = Fusions(activation=tc.bias_activation_fusion,
                       cross_entropy=tc.cross_entropy_loss_fusion, rope=tc.apply_rope_fusion)
     return {"scheme": scheme, "measured": per_token,
-            "once": full - per_token * args.batch * args.seq,
-            "estimated": estimated_layer_bytes(config, dtype.itemsize, fusions, args.batch)}
+            "once": full - per_token * args.batch * local[1],
+            "estimated": estimated_layer_bytes(config, dtype.itemsize, fusions, args.batch,
+                                               cp=args.cp)}
+
+
+def _cpu_causal_masks(args, batch):
+    """Under context parallelism on the CPU, what to leave out of the count: the lower-right
+    causal masks [chunk, k chunk] (k >= 2) of a rank's later chunks against the keys before
+    them, which the CPU's attention kernel materialises and CUDA's flash attention does not
+    form (its causal rule is lower-right), so the count is the GPU's, as the estimate."""
+    if args.cp == 1 or torch.cuda.is_available():
+        return None
+    chunk = batch["tokens"].shape[1] // 2
+
+    def causal_mask(t: torch.Tensor) -> bool:
+        return t.dim() == 2 and t.shape[0] == chunk and t.shape[1] % chunk == 0 \
+            and t.shape[1] > chunk
+    return causal_mask
+
+
+def _rank(rank: int, port: int, args, schemes: list[str], out) -> None:
+    """One process of a context-parallel count: its share of each scheme's bytes."""
+    from model.config import ParallelConfig
+    from runtime import cpu_compat, parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(args.cp), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    with cpu_compat.enabled():
+        parallel.initialize(ParallelConfig(cp=args.cp))
+        try:
+            results = [layer_bytes(args, s) for s in schemes]
+        finally:
+            parallel.destroy()
+    if rank == 0:
+        out.put(results)
+
+
+def count(args, schemes: list[str]) -> list[dict]:
+    """Each scheme's :func:`layer_bytes` in this process, or on ``args.cp`` gloo processes
+    (rank 0's share: every rank holds as much)."""
+    if args.cp == 1:
+        with one_process():
+            return [layer_bytes(args, s) for s in schemes]
+    import torch.multiprocessing as mp
+
+    from runtime.launcher import free_port
+
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    mp.start_processes(_rank, args=(free_port(), args, schemes, out), nprocs=args.cp,
+                       join=True, start_method="spawn")
+    return out.get()
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    with one_process():
-        results = [layer_bytes(args, s) for s in args.schemes.split(",")]
+    results = count(args, args.schemes.split(","))
     base = next((r for r in results if r["scheme"] == "pre"), results[0])
     h = args.hidden
     print(versions_line())
-    print(f"shape: {args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}, "
-          f"batch {args.batch}, {args.dtype}, {args.normalization} norms "
-          f"({args.norm_backend} backend)"
-          + (f", MoE in every block: {args.experts} experts of {args.expert_ffn or args.ffn}, "
-             f"top-{args.topk}, shared expert {args.shared_ffn or 'none'}" if args.experts else "")
-          + "; bytes per token and "
-          "layer kept for backward (h = hidden size in values of the dtype); the last column "
-          "is what a layer keeps once, whatever the tokens\n")
+    shape = [f"{args.hidden} hidden, {args.heads} heads, MLP {args.ffn}, seq {args.seq}",
+             f"batch {args.batch}, {args.dtype}",
+             f"{args.normalization} norms ({args.norm_backend} backend)"]
+    if args.experts:
+        shape.append(f"MoE in every block: {args.experts} experts of "
+                     f"{args.expert_ffn or args.ffn}, top-{args.topk}, shared expert "
+                     f"{args.shared_ffn or 'none'}")
+    if args.cp > 1:
+        shape.append(f"context parallelism {args.cp}: bytes per token of a rank's share")
+    print(f"shape: {', '.join(shape)}; bytes per token and layer kept for backward (h = "
+          "hidden size in values of the dtype); the last column is what a layer keeps once, "
+          "whatever the tokens\n")
     width = DTYPES[args.dtype].itemsize
     rows = [[r["scheme"], f"{r['measured']:,.0f}", f"{r['measured'] / (width * h):.2f} h",
              f"{r['estimated']:,.0f}", f"{r['measured'] / base['measured']:.3f}",

@@ -446,24 +446,35 @@ def _validate_shape(model: ModelConfig, parallel: ParallelConfig) -> None:
     require(model.num_layers % stages == 0,
              f"model.num_layers ({model.num_layers}) must be divisible by parallel.pp x "
              f"parallel.vp ({parallel.pp} x {parallel.model_chunks} = {stages})")
-    cp = parallel.cp
-    if cp > 1:
-        require(model.seq_length % (2 * cp) == 0,
-                 f"model.seq_length ({model.seq_length}) must be divisible by 2 x parallel.cp "
-                 f"({2 * cp}): each context-parallel rank holds two of 2 x cp equal chunks")
-    if parallel.sequence_parallel:
-        local = model.seq_length // cp
-        require(local % tp == 0,
-                 f"parallel.tp ({tp}) must divide model.seq_length ({model.seq_length}) "
-                 "with sequence parallelism" if cp == 1 else
-                 f"parallel.tp ({tp}) must divide each context-parallel rank's share of "
-                 f"model.seq_length ({model.seq_length} / parallel.cp {cp} = {local}) with "
-                 "sequence parallelism")
+    if parallel.cp > 1:
+        require(model.attention_backend is not AttentionBackend.LOCAL,
+                 f"parallel.cp ({parallel.cp}) needs model.attention_backend sdpa (or te, "
+                 "Transformer Engine's own context parallelism): megatron's local attention "
+                 "has none; set --model.attention_backend=sdpa")
+    check_sequence_split(model.seq_length, "model.seq_length", parallel)
     if parallel.recompute is Recompute.FULL:
         per_chunk = model.num_layers // stages
         require(parallel.recompute_num_layers <= per_chunk,
                  f"parallel.recompute_num_layers ({parallel.recompute_num_layers}) must be <= "
                  f"the layers per model chunk ({per_chunk})")
+
+
+def check_sequence_split(length: int, field: str, parallel: ParallelConfig) -> None:
+    """A sequence of ``length`` tokens (``field``) splits over the layout: into 2 x cp equal
+    chunks under context parallelism (two per rank), and each rank's share over the TP ranks
+    under sequence parallelism."""
+    cp, tp = parallel.cp, parallel.tp
+    if cp > 1:
+        require(length % (2 * cp) == 0,
+                 f"{field} ({length}) must be divisible by 2 x parallel.cp ({2 * cp}): each "
+                 "context-parallel rank holds two of 2 x cp equal chunks")
+    if parallel.sequence_parallel:
+        local = length // cp
+        require(local % tp == 0,
+                 f"parallel.tp ({tp}) must divide {field} ({length}) with sequence "
+                 "parallelism" if cp == 1 else
+                 f"parallel.tp ({tp}) must divide each context-parallel rank's share of "
+                 f"{field} ({length} / parallel.cp {cp} = {local}) with sequence parallelism")
 
 
 MOE_FIELDS = ("moe_layer_freq", "moe_router_topk", "moe_ffn_hidden_size",

@@ -39,6 +39,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch.nn.attention.bias import causal_lower_right
 
 from model import context_parallel, documents
 from runtime import context, device
@@ -171,7 +172,8 @@ class SDPAttention(MegatronModule):
         sq, b, heads, head_dim = query.shape
         sk = key.size(0)
         groups = heads // key.size(2)
-        gqa = groups > 1 and self._use_native_gqa(query)
+        # (the lower-right causal rule of sq < sk reaches flash attention without enable_gqa)
+        gqa = groups > 1 and self._use_native_gqa(query) and sq == sk
         if groups > 1 and not gqa:
             key = key.repeat_interleave(groups, dim=2)
             value = value.repeat_interleave(groups, dim=2)
@@ -223,9 +225,9 @@ class SDPAttention(MegatronModule):
 
     @staticmethod
     def _mask(attention_mask, mask_type, sq: int, sk: int, device):
-        """(boolean keep-mask or None, is_causal). megatron's masks mark positions to drop
-        (True = masked); SDPA's boolean masks mark positions to keep. Document ids
-        (``model.documents``) become the exact keep-mask."""
+        """(keep-mask, lower-right causal bias or None, is_causal). megatron's masks mark
+        positions to drop (True = masked); SDPA's boolean masks mark positions to keep.
+        Document ids (``model.documents``) become the exact keep-mask."""
         if documents.is_document_ids(attention_mask):
             return documents.keep_mask(attention_mask, sq, sk), False
         if attention_mask is not None:
@@ -234,6 +236,7 @@ class SDPAttention(MegatronModule):
             return None, False
         if sq == sk:
             return None, True
-        # Queries are the last sq of sk positions (bottom-right aligned, as in decoding).
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq)
-        return keep, False
+        # Queries are the last sq of sk positions (bottom-right aligned, as in decoding, and
+        # a context-parallel chunk against the keys up to its end): flash attention's own
+        # causal rule on CUDA, no mask formed; the CPU's kernel materialises it.
+        return causal_lower_right(sq, sk), False

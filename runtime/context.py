@@ -62,8 +62,8 @@ def split_batch(batch: dict) -> dict:
 
 
 def sequence_sums(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (a 1-D tensor of sums over this rank's tokens) added over the
-    context-parallel group, outside autograd: the whole sequence's sums."""
+    """``values`` (sums over this rank's tokens) added over the context-parallel group,
+    outside autograd: the whole sequences' sums."""
     total = values.detach().clone()
     if size() > 1:
         dist.all_reduce(total, group=group())

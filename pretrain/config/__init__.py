@@ -307,14 +307,17 @@ def fit_layout(config: Config, world_size: int) -> tuple[Config, str | None]:
     checkpoint's own layout does not fit fewer processes. Validated for ``world_size``."""
     p = config.parallel
     note = None
-    if world_size % (p.tp * p.pp) or world_size % (p.expert_tp * p.ep * p.pp):
+    if world_size % p.replica or world_size % (p.expert_tp * p.ep * p.pp):
         experts = f" x parallel.ep {p.ep}" if p.ep > 1 else ""
-        note = (f"the checkpoint's layout (parallel.tp {p.tp} x parallel.pp {p.pp}{experts}) "
-                f"does not fit {world_size} process{'es' if world_size > 1 else ''}: "
-                f"evaluating with parallel.tp 1{' and parallel.ep 1' if experts else ''} and "
-                "parallel.pp 1 (checkpoints reshard on load)")
+        context = f" x parallel.cp {p.cp}" if p.cp > 1 else ""
+        note = (f"the checkpoint's layout (parallel.tp {p.tp}{context} x parallel.pp "
+                f"{p.pp}{experts}) does not fit {world_size} "
+                f"process{'es' if world_size > 1 else ''}: evaluating with parallel.tp 1"
+                f"{' and parallel.cp 1' if context else ''}"
+                f"{' and parallel.ep 1' if experts else ''} and parallel.pp 1 (checkpoints "
+                "reshard on load)")
         config = dataclasses.replace(config, parallel=dataclasses.replace(
-            p, tp=1, pp=1, vp=None, sequence_parallel=False, ep=1, etp=None))
+            p, tp=1, pp=1, vp=None, cp=1, sequence_parallel=False, ep=1, etp=None))
     validate(config, world_size=world_size, training=False)
     return config, note
 
@@ -383,10 +386,11 @@ def _validate_world(config: Config, world_size: int, found: Findings) -> None:
     product shares pp and, by default, tp with the replica's: one cause, one line); the
     virtual pipeline's micro-batches only where a step is whole micro-batches."""
     p, d = config.parallel, config.data
-    model_parallel = p.tp * p.pp
+    model_parallel = p.replica
+    sizes = "parallel.tp x parallel.cp x parallel.pp" if p.cp > 1 else "parallel.tp x parallel.pp"
     if not found.require(world_size % model_parallel == 0,
-                         f"world size ({world_size}) must be divisible by parallel.tp x "
-                         f"parallel.pp ({model_parallel})"):
+                         f"world size ({world_size}) must be divisible by {sizes} "
+                         f"({model_parallel})"):
         return
     expert_parallel = p.expert_tp * p.ep * p.pp
     # megatron lays its expert groups (etp x ep x pp, the rest expert data parallel) over

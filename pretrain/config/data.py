@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from model.config import require
+from model.config import check_sequence_split, require
 from pretrain.paths import require_creatable, require_file
 from runtime.errors import ConfigError, DataError, Findings, UserError
 
@@ -171,9 +171,10 @@ def validate_data(config: Config, found: Findings) -> bool:
                       "whole batches")
     if batches:
         found.check(valid_sets, d)
-    found.require(0 <= d.seq_length <= config.model.seq_length,
-                  f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
-                  f"({config.model.seq_length})")
+    if found.require(0 <= d.seq_length <= config.model.seq_length,
+                     f"data.seq_length ({d.seq_length}) must be <= model.seq_length "
+                     f"({config.model.seq_length})") and d.seq_length:
+        found.check(check_sequence_split, d.seq_length, "data.seq_length", config.parallel)
     found.require(not d.weights or len(d.weights) == len(d.prefixes),
                   f"data.weights has {len(d.weights)} entries but data.prefixes has "
                   f"{len(d.prefixes)}")

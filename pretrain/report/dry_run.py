@@ -89,7 +89,8 @@ class LayerBytes:
     expert_tokens: float = 0
 
 
-def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions, experts: bool) -> LayerBytes:
+def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions, experts: bool,
+                 cp: int = 1) -> LayerBytes:
     """What one layer keeps, in an activation dtype of ``width`` bytes, its MLP sublayer
     megatron's MoE layer if ``experts``; the terms are explained in :func:`activation_bytes`."""
     traits = m.residual_scheme.traits
@@ -104,16 +105,20 @@ def _layer_bytes(m: ModelConfig, width: int, fusions: Fusions, experts: bool) ->
                + norm.bytes(outside.shared_norms, h, width, input_kept=True))
     dropout_masks = 2 * h if m.hidden_dropout > 0 else 0
     whole = streams + 2 * h * width + dropout_masks  # + the two branch inputs
-    # Q and K after RoPE, the attention output, the logsumexp; the QKV output stays while V is
-    # a view of it, so not under QKV-norm, where the head norms read it
-    attention = (h + kv + h) * width + 4 * heads
-    if traits.qkv_norm:
-        attention += kv * width + norm.bytes(heads + 2 * groups, head_dim, width,
-                                             input_kept=False)
+    if cp == 1:  # Q and K after RoPE, the attention output; V, a view, keeps the QKV output
+        attention = (h + kv + h) * width
+    else:  # this rank's Q after RoPE, the gathered K and V in sequence order (the whole
+        # sequence's), each chunk's output and their concatenation; V goes to the gather
+        attention = (h + 2 * kv * cp + 2 * h) * width
+    attention += 4 * heads  # the logsumexp
+    if traits.qkv_norm:  # the head norms read the QKV output; the normalised V stays
+        attention += (kv * width if cp == 1 else 0) + norm.bytes(
+            heads + 2 * groups, head_dim, width, input_kept=False)
     else:
-        attention += (h + 2 * kv) * width
-    if traits.qk_norm:
-        attention += norm.bytes(heads + groups, head_dim, width, input_kept=True)
+        qkv_kept = cp == 1 or (traits.qk_norm and norm.input)
+        attention += (h + 2 * kv) * width if qkv_kept else 0
+        if traits.qk_norm:
+            attention += norm.bytes(heads + groups, head_dim, width, input_kept=True)
     unfused_rope = m.position_embedding is PositionEmbedding.ROPE and not fusions.rope
     rope = 4 * head_dim * width if unfused_rope else 0
     if not experts:
@@ -148,12 +153,12 @@ def first_stage_blocks(layers: int, p: ParallelConfig) -> list[int]:
 
 
 def estimated_layer_bytes(model: ModelConfig, width: int, fusions: Fusions,
-                          sequences: int = 1) -> float:
+                          sequences: int = 1, cp: int = 1) -> float:
     """Bytes per token one layer keeps for backward without TP or SP (see
     :func:`activation_bytes`), in an activation dtype of ``width`` bytes, with ``sequences``
     sequences per micro-batch sharing their positions; in a model with experts, a layer of
-    an MoE block."""
-    kept = _layer_bytes(model, width, fusions, experts=model.num_experts > 0)
+    an MoE block; under context parallelism ``cp``, per token of a rank's share."""
+    kept = _layer_bytes(model, width, fusions, experts=model.num_experts > 0, cp=cp)
     return kept.whole + kept.split + kept.rope / sequences + kept.expert_tokens
 
 
@@ -236,6 +241,14 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     activation dtype (forward) or their gradient (backward): 4 + w bytes per entry (4 in fp32);
     megatron's fused (compiled) cross entropy holds one fp32 copy more: + 4.
 
+    Context parallelism (cp ranks share each sequence): every term is per token of a rank's
+    share, s / cp tokens, but the attention's: a rank keeps its Q after RoPE (h), the whole
+    sequence's K and V gathered in sequence order (2 kv cp per token of its share), the
+    output of each of its two chunks and their concatenation (2h), and the QKV output only
+    where a head norm keeps it (V goes to the gather); with document attention the gathered
+    ids, 4 cp bytes per token. Its queries meet the keys before them through flash
+    attention's lower-right causal rule on CUDA (the CPU materialises that mask, not counted).
+
     Layers: the first pipeline stage holds up to pp micro-batches in flight (1F1B), i.e. all its
     layers' activations for each; full recomputation keeps each layer's n-stream input plus one
     layer being recomputed; selective recomputation (core attention) saves next to nothing with
@@ -251,13 +264,13 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
     if fusions is None:
         fusions = Fusions.planned(config)
     h = m.hidden_size
-    tokens = config.seq_length * d.micro_batch_size
+    tokens = config.seq_length * d.micro_batch_size // p.cp  # a context-parallel rank's share
     width = 2 if config.run.params_dtype != "fp32" else 4
     sp = p.tp if p.sequence_parallel else 1
     sequences = 1 if d.reset_position_ids else d.micro_batch_size  # sharing RoPE's cos/sin
 
     def layer(experts: bool) -> float:
-        kept = _layer_bytes(m, width, fusions, experts)
+        kept = _layer_bytes(m, width, fusions, experts, p.cp)
         return (kept.whole / sp + kept.split / p.tp + kept.rope / sequences
                 + kept.expert_tokens * p.expert_tp / p.tp)
 
@@ -270,12 +283,29 @@ def activation_bytes(config: Config, dp: int, fusions: Fusions | None = None) ->
         per_microbatch = layers_per_stage * streams * h * width / sp + max(kept.values())
     else:
         per_microbatch = sum(kept[experts] for experts in first_stage)
-    if d.document_attention:
-        per_microbatch += 4
+    if d.document_attention:  # the ids, and under context parallelism the gathered ones
+        per_microbatch += 4 * (1 + (p.cp if p.cp > 1 else 0))
     end = (h * width + closing_bytes(m, width)) / sp
     logit_bytes = 4 + (width if width < 4 else 0) + (4 if fusions.cross_entropy else 0)
     last_stage = end + logit_bytes * m.padded_vocab_size / p.tp
     return tokens * (in_flight * per_microbatch + (last_stage if p.pp == 1 else 0))
+
+
+def context_parallel_bytes(config: Config, dp: int) -> float:
+    """Bytes each context-parallel rank receives per step in its attention's collectives: per
+    layer and micro-batch the all-gather of K and V (its TP rank's heads, the whole sequence,
+    (cp - 1) / cp of it from the other ranks) in forward, again under full recomputation,
+    and the reduce-scatter of their gradients in backward, the same size. 0 without context
+    parallelism."""
+    m, p, d = config.model, config.parallel, config.data
+    if p.cp == 1:
+        return 0.0
+    width = 2 if config.run.params_dtype != "fp32" else 4
+    kv = m.kv_heads * (m.hidden_size // m.num_attention_heads) // p.tp
+    per_layer = 2 * kv * config.seq_length * d.micro_batch_size * width * (p.cp - 1) / p.cp
+    passes = 3 if p.recompute is Recompute.FULL else 2
+    micro = d.global_batch_size // (d.micro_batch_size * dp)
+    return per_layer * passes * m.num_layers // p.pp * micro
 
 
 ADAM_STATE = 12
@@ -321,11 +351,11 @@ def state_bytes_per_gpu(config: Config, params: ParameterCount, world: int,
     def per_parameter(dp: int, state: int = ADAM_STATE) -> float:
         return 2 + 4 + state / (dp if p.distributed_optimizer else 1)
 
-    dp = world // (p.tp * p.pp)
+    shards = world // (p.tp * p.pp)  # the distributed optimizer's: data x context ranks
     expert_group = p.expert_tp * p.ep * p.pp
     expert_dp = world // expert_group
-    return ((params.dense - muon.dense) / (p.tp * p.pp) * per_parameter(dp)
-            + muon.dense / (p.tp * p.pp) * per_parameter(dp, MUON_STATE)
+    return ((params.dense - muon.dense) / (p.tp * p.pp) * per_parameter(shards)
+            + muon.dense / (p.tp * p.pp) * per_parameter(shards, MUON_STATE)
             + (params.routed - muon.routed) / expert_group * per_parameter(expert_dp)
             + muon.routed / expert_group * per_parameter(expert_dp, MUON_STATE))
 
@@ -346,18 +376,18 @@ class LayoutRefused(ConfigError):
 
 
 def world_sizes(config: Config, limit: int = 8) -> list[int]:
-    """The ``limit`` smallest world sizes ``config`` takes: tp x pp x dp for each data-parallel
-    size dp that splits the global batch into whole micro-batches, kept where
+    """The ``limit`` smallest world sizes ``config`` takes: tp x cp x pp x dp for each
+    data-parallel size dp that splits the global batch into whole micro-batches, kept where
     :func:`pretrain.config.validate` accepts it (the expert groups, virtual pipelining)."""
     p, d = config.parallel, config.data
     found = []
     for dp in range(1, d.global_batch_size // d.micro_batch_size + 1):
         if d.global_batch_size % (d.micro_batch_size * dp) == 0:
             try:
-                validate(config, world_size=p.tp * p.pp * dp)
+                validate(config, world_size=p.replica * dp)
             except ConfigError:
                 continue
-            found.append(p.tp * p.pp * dp)
+            found.append(p.replica * dp)
             if len(found) == limit:
                 break
     return found
@@ -367,8 +397,9 @@ def _layout_needs(config: Config, world: int) -> str:
     """The layout line of a world size the config cannot take: what one model replica spans
     and the world sizes that fit."""
     p = config.parallel
-    replica = f"tp {p.tp} x pp {p.pp}" + (f" (experts: etp {p.expert_tp} x ep {p.ep} x pp "
-                                          f"{p.pp})" if config.model.num_experts else "")
+    replica = f"tp {p.tp}" + (f" x cp {p.cp}" if p.cp > 1 else "") + f" x pp {p.pp}"
+    if config.model.num_experts:
+        replica += f" (experts: etp {p.expert_tp} x ep {p.ep} x pp {p.pp})"
     fits = world_sizes(config, limit=9)  # eight shown; a ninth says the list goes on
     takes = (f"world sizes it takes: {', '.join(map(str, fits[:8]))}"
              + (", ..." if len(fits) > 8 else "") if fits else "no world size fits it")
@@ -380,7 +411,7 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     size the layout cannot take raises :class:`LayoutRefused`, with the plan up to the
     layout."""
     p, d, m = config.parallel, config.data, config.model
-    world = world_size or int(os.environ.get("WORLD_SIZE", p.tp * p.pp))
+    world = world_size or int(os.environ.get("WORLD_SIZE", p.replica))
     params, muon = parameter_count(m, config.run.seed)
     tokens_per_step = d.global_batch_size * config.seq_length
     sizes = f"parameters: {params.total:,} ({human(params.total)})"
@@ -404,14 +435,15 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
     except ConfigError as err:
         raise LayoutRefused(str(err), "\n".join([*head, *steps, _layout_needs(config, world)])) \
             from None
-    dp = world // (p.tp * p.pp)
+    dp = world // p.replica
     weights_gb = state_bytes_per_gpu(config, params, world, muon) / 2**30
     fusions = Fusions.planned(config)
     activations_gb = activation_bytes(config, dp, fusions) / 2**30
     experts = expert_layout_text(m, p, world)
     lines = [
         *head,
-        f"layout: world {world} = tp {p.tp} x pp {p.pp} x dp {dp}"
+        f"layout: world {world} = tp {p.tp}" + (f" x cp {p.cp}" if p.cp > 1 else "")
+        + f" x pp {p.pp} x dp {dp}"
         + (f", {p.vp} virtual stages per pipeline rank" if p.vp else "")
         + (", sequence parallel" if p.sequence_parallel else "")
         + f", recompute {p.recompute}" + experts,
@@ -425,4 +457,10 @@ def dry_run(config: Config, world_size: int | None = None) -> str:
         f"memory per GPU for activations (estimate): {activations_gb:.1f} GiB; "
         f"total about {weights_gb + activations_gb:.1f} GiB",
     ]
+    if p.cp > 1:
+        lines.append(
+            f"context parallelism: each rank holds {config.seq_length // p.cp:,} tokens of "
+            f"each sequence and receives {context_parallel_bytes(config, dp) / 2**30:.2f} GiB "
+            "per step in the attention's K/V all-gathers and their gradients' "
+            "reduce-scatters")
     return "\n".join(lines)

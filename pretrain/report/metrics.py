@@ -33,7 +33,8 @@ log = logging.getLogger("pretrain")
 def is_logging_rank() -> bool:
     return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
             and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
+            and parallel_state.get_data_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0)
 
 
 STEP = re.compile(rb'"step": (\d+)')

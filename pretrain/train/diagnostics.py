@@ -104,7 +104,10 @@ class StreamDiagnostics:
         self.merges = [m for c in chunks for m in c.modules() if isinstance(m, StreamMergeNorm)]
         # Replicated activations are counted once; sequence-parallel slices all count.
         self.contributes = sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
-        self.data_parallel = parallel_state.get_data_parallel_world_size()
+        # each rank's loss is its replica's (and, under context parallelism, scaled by cp as
+        # megatron's schedule does): activation gradients are dp x cp times the batch loss's
+        self.data_parallel = parallel_state.get_data_parallel_world_size(
+            with_context_parallel=True)
         self.handles: list = []
         self.measured: int | None = None
         self.stats = torch.zeros(num_layers + 1, 5, dtype=torch.float64,

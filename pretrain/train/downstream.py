@@ -40,7 +40,7 @@ from pretrain.config import Config
 from pretrain.data.batches import microbatches_per_step
 from pretrain.run.checkpoint import rng_state, set_rng_state, settable_rng_state
 from pretrain.unsharded.lm_eval import WindowedLM, finite, load_tasks, scores
-from runtime import device
+from runtime import context, device
 from runtime.errors import ConfigError
 from runtime.schedule import run_schedule
 
@@ -63,7 +63,7 @@ def _sequence(context: list[int], continuation: list[int], seq_length: int,
 
 
 def _score_step(vocab_size: int, data_iterator, model):
-    batch = next(data_iterator)
+    batch = context.split_batch(next(data_iterator))
     logits = model(batch["tokens"], batch["position_ids"], None)
     return logits, partial(_continuation_scores, batch, vocab_size)
 
@@ -83,7 +83,9 @@ def _continuation_scores(batch: dict, vocab_size: int, logits: torch.Tensor):
     misses = torch.zeros_like(sums)
     sums.index_add_(0, owner, picked)
     misses.index_add_(0, owner, missed)
-    return torch.zeros((), device=logits.device), {"scores": torch.stack([sums, misses], -1)}
+    # under context parallelism each rank scored its share of every sequence
+    scores = context.sequence_sums(torch.stack([sums, misses], -1))
+    return torch.zeros((), device=logits.device), {"scores": scores}
 
 
 class LiveLM(WindowedLM):
@@ -109,7 +111,8 @@ class LiveLM(WindowedLM):
         mine = padded[first:first + per_rank * mbs]
         out = torch.zeros(total, 2, dtype=torch.float64, device=device.compute_device())
         holder = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                  and parallel_state.get_tensor_model_parallel_rank() == 0)
+                  and parallel_state.get_tensor_model_parallel_rank() == 0
+                  and context.rank() == 0)
         for start in range(0, per_rank, per_call):
             count = min(per_call, per_rank - start)
             batches = [_collate(mine[(start + i) * mbs:(start + i + 1) * mbs], seq)

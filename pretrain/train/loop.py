@@ -447,8 +447,10 @@ def announce(config: Config, sizes: ParameterCount, start: int, previous: Path |
              str(params_dtype(config)).removeprefix("torch."), hardware)
     micro = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
     world = dist.get_world_size()
-    log.info("layout: world %d = tp %d x pp %d x dp %d%s; %s of %s per step and data-parallel "
-             "rank", world, p.tp, p.pp, dp, expert_layout_text(m, p, world),
+    context = f" x cp {p.cp}" if p.cp > 1 else ""
+    log.info("layout: world %d = tp %d%s x pp %d x dp %d%s; %s of %s per step and "
+             "data-parallel rank", world, p.tp, context, p.pp, dp,
+             expert_layout_text(m, p, world),
              count(micro, "micro-batch"), count(d.micro_batch_size, "sequence"))
     log.info("data: %s; %s tokens per step x %s steps = %s tokens",
              ", ".join(d.prefixes), f"{tokens:,}", f"{r.steps:,}", human(tokens * r.steps))

@@ -100,6 +100,34 @@ def test_estimate_follows_the_dtype(single_rank, scheme, norm):
         "keeps in fp32 is declared by its Kept (kernels/normalizations.py)")
 
 
+CP_ARGS = saved_activations.parse_args([*[f"--{k}={v}" for k, v in vars(ARGS).items()
+                                          if k in ("hidden", "heads", "ffn", "seq", "vocab")],
+                                        "--cp=2"])
+
+
+@pytest.fixture(scope="module")
+def kept_cp():
+    """Bytes per token of a rank's share and layer under context parallelism 2 (two gloo
+    processes), for each scheme."""
+    return {r["scheme"]: r for r in saved_activations.count(CP_ARGS, SCHEMES)}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_estimate_holds_per_context_parallel_rank(kept_cp, scheme):
+    """Every registered scheme under CP=2: a rank keeps its share's activations and the
+    whole sequence's gathered K and V (and each chunk's output besides their concatenation),
+    and the QKV output only where a head norm keeps it: the estimate per token of its share
+    is what autograd keeps there (less the CPU's materialised lower-right causal masks, which
+    CUDA's flash attention does not form)."""
+    result = kept_cp[scheme]
+    gap = result["measured"] - result["estimated"]
+    assert abs(gap) <= ROUNDING, (
+        f"{scheme} under parallel.cp 2: a layer keeps {result['measured']:.0f} bytes per token "
+        f"of a rank's share, the dry run estimates {result['estimated']:.0f} ({gap:+.0f}): "
+        "the attention's terms under context parallelism are in "
+        "pretrain/report/dry_run.py (_layer_bytes), the gather in model/context_parallel.py")
+
+
 def test_second_stream_costs_one_value_per_token_and_layer(kept):
     """Each sublayer entry reads x and y where Pre-Norm reads one h, but the MLP entry keeps only
     the attention output r (the updated streams and u are recomputed from the layer input,

@@ -43,6 +43,29 @@ def test_sharded_optimizer_step_matches_single_process(single_rank, scheme, tmp_
         assert err <= 1e-6, (name, err)
 
 
+@pytest.mark.slow
+def test_context_parallel_sharded_optimizer_step_matches_single_process(single_rank, tmp_path):
+    """CP=2 x DP=2 with the distributed optimizer: gradients reduced over the data x context
+    ranks (megatron's DDP), optimizer state sharded over the data-parallel ranks, the same
+    step as one process."""
+    torch.manual_seed(11)
+    [model] = build_model(tiny_model("siamese"), ParallelConfig())
+    weights.save([model], str(tmp_path / "weights"))
+    for name, world, layout in (("single", 1, {}), ("cp2-dp2", 4, {"cp": 2})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "weights").symlink_to(tmp_path / "weights")
+        spawn(world, run_optimizer_step, "siamese", str(folder), world > 1, layout)
+    norms = [json.loads((tmp_path / f / "grad_norm.json").read_text())
+             for f in ("single", "cp2-dp2")]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+    expected = stepped_weights(tmp_path / "single", "siamese")
+    got = stepped_weights(tmp_path / "cp2-dp2", "siamese")
+    for name, value in got.items():
+        err = (value - expected[name]).abs().max().item()
+        assert err <= 1e-6, (name, err)
+
+
 # Experts in every other block (block 0 MoE, block 1 dense, ...) beside a shared expert, the
 # balancing and z losses on.
 EXPERTS = dict(num_experts=4, moe_router_topk=2, moe_layer_freq=2,

@@ -1,5 +1,5 @@
-"""Document attention under TP + SP, PP, expert parallelism and recomputation matches one
-process.
+"""Document attention under TP + SP, PP, expert parallelism, context parallelism and
+recomputation matches one process.
 
 The unsharded model (positions per token, torch norms) computes the loss and gradients of packed
 micro-batches with their document ids (tests.helpers.document_batches); each layout on gloo ranks
@@ -34,7 +34,12 @@ MICROBATCHES = 4
 # layout: (world size, parallel fields, the models it runs)
 LAYOUTS = {"tp2-sp": (2, dict(tp=2, sequence_parallel=True), SCHEMES),
            "pp2": (2, dict(pp=2), SCHEMES), "tp2-pp2": (4, dict(tp=2, pp=2), SCHEMES),
-           "ep2": (2, dict(ep=2), [EXPERTS])}
+           "ep2": (2, dict(ep=2), [EXPERTS]),
+           # context parallelism: documents cross the split (3-7 tokens each, chunks of 4);
+           # each rank's queries meet the gathered keys' ids
+           "cp2": (2, dict(cp=2), SCHEMES), "cp2-ep2": (2, dict(cp=2, ep=2), [EXPERTS]),
+           "cp2-tp2-sp-recompute": (4, dict(cp=2, tp=2, sequence_parallel=True,
+                                            recompute="full"), ["siamese"])}
 # As test_parallel_parity: only the order of sums differs between layouts.
 LOSS_BOUND = 1e-6
 GRAD_BOUND = 5e-5
