@@ -82,18 +82,20 @@ def cli(*args: str, check: bool = True, nproc: int = 1, extra_env: dict | None =
     return done
 
 
-def run_logged(module: str, args: list[str], log: Path, timeout: int = 300) -> int:
+def run_logged(module: str, args: list[str], log: Path, timeout: int = 300,
+               nproc: int = 1) -> int:
     """``python -m MODULE ARGS`` (a test's wrapper of the CLI: ``tests.kill_in_save``,
-    ``tests.inject_spikes``) with its output in ``log``; its exit status. Whatever it leaves
-    in its process group is killed once it ended: megatron's checkpoint writer leaves a
-    helper process behind a SIGKILLed trainer (on a cluster the job's cgroup reaps it).
-    Forked from tests/zygote.py when it can be, else in a session of its own."""
+    ``tests.inject_spikes``; through torchrun with ``nproc`` ranks when > 1) with its output
+    in ``log``; its exit status. Whatever it leaves in its process group is killed once it
+    ended: megatron's checkpoint writer leaves a helper process behind a SIGKILLed trainer
+    (on a cluster the job's cgroup reaps it). Forked from tests/zygote.py when it can be,
+    else in a session of its own."""
     environ = env()
     server = zygote(environ)
     if server.takes(environ, REPO):
         tiers.require("slow", f"starts a process (python -m {module})")
-        return server.run(args, environ, timeout, module=module, log=log).returncode
-    proc = in_session([sys.executable, "-m", module, *args], log)
+        return server.run(args, environ, timeout, nproc, module=module, log=log).returncode
+    proc = in_session([sys.executable, *torchrun(nproc), "-m", module, *args], log)
     try:
         return proc.wait(timeout=timeout)
     finally:
@@ -166,13 +168,18 @@ def val_losses(run_dir: Path) -> list[float]:
 
 
 def killed_in_save_then_resumed(args: list[str], step: int, run: Path, latest: str,
-                                log: Path) -> None:
-    """``python -m pretrain ARGS`` (run folder ``run``) SIGKILLed after megatron wrote step
-    ``step``'s tensors, before that checkpoint was complete (tests/kill_in_save.py), which
-    leaves ``latest`` the newest checkpoint; then run again to the end: the caller compares
-    what the resumed run did with an uninterrupted one. megatron's checkpoint writer may
-    outlive the killed trainer: run_logged reaps it."""
-    code = run_logged("tests.kill_in_save", [str(step), *args], log, timeout=240)
-    assert code == -signal.SIGKILL, log.read_text()[-2000:]
+                                log: Path, nproc: int = 1) -> None:
+    """``python -m pretrain ARGS`` (run folder ``run``; ``nproc`` ranks under torchrun)
+    SIGKILLed after megatron wrote step ``step``'s tensors, before that checkpoint was
+    complete (tests/kill_in_save.py), which leaves ``latest`` the newest checkpoint; then run
+    again to the end: the caller compares what the resumed run did with an uninterrupted
+    one. megatron's checkpoint writer may outlive the killed trainer: run_logged reaps it.
+    Under torchrun every rank is killed in its save and torchrun exits with a failure."""
+    code = run_logged("tests.kill_in_save", [str(step), *args], log, timeout=240, nproc=nproc)
+    if nproc == 1:
+        assert code == -signal.SIGKILL, log.read_text()[-2000:]
+    else:
+        text = log.read_text()  # the zygote's or torchrun's word for a rank's SIGKILL
+        assert code != 0 and re.search(r"exited -9|SIGKILL", text), text[-2000:]
     assert (run / "checkpoints" / "latest").read_text() == latest
-    cli(*args)
+    cli(*args, nproc=nproc)

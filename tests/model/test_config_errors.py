@@ -54,6 +54,14 @@ CASES = [
      ["model.hybrid_first_block (\"prenorm\")", "hybridnorm or siamese_hybrid (got mixln)"]),
     (dict(attention_backend="flash"), {}, ["model.attention_backend ('flash')", "sdpa"]),
     (dict(transformer_impl="apex"), {}, ["model.transformer_impl ('apex')", "local, te"]),
+    # context parallelism: 2 x cp equal chunks, each rank's share over TP under SP, an
+    # attention that takes it
+    (dict(seq_length=18), dict(cp=2), ["model.seq_length (18)", "2 x parallel.cp (4)"]),
+    (dict(seq_length=24), dict(cp=4, tp=4, sequence_parallel=True),
+     ["parallel.tp (4)", "model.seq_length (24 / parallel.cp 4 = 6)"]),
+    (dict(attention_backend="local"), dict(cp=2),
+     ["parallel.cp (2) needs model.attention_backend sdpa", "--model.attention_backend=sdpa"]),
+    ({}, dict(cp=0), ["parallel.cp (0)", "positive integer"]),
     # mixture of experts
     (dict(num_experts=6), dict(ep=4), ["parallel.ep (4)", "model.num_experts (6)"]),
     (dict(num_experts=4, moe_router_topk=5), {},
@@ -121,6 +129,27 @@ def test_expert_groups_must_tile_the_world(parallel, world, product):
     assert f"world size ({world}) must be divisible by parallel.etp x parallel.ep x " \
            f"parallel.pp ({product})" in message
     validate(config, world_size=8)  # 8 tiles every one of them
+
+
+def test_context_parallelism_takes_the_advised_attention_and_its_world():
+    """What the refusals above advise works: the SDPA attention under parallel.cp 2; a
+    world of tp x cp x pp ranks (and data.seq_length split the same way); eval of a CP
+    checkpoint on one process runs without context parallelism and says so."""
+    base = ["--model.num_layers=4", "--model.hidden_size=32", "--model.num_attention_heads=4",
+            "--model.seq_length=32", "--data.micro_batch_size=1", "--data.global_batch_size=4",
+            "--data.valid_samples=0", "--parallel.cp=2"]
+    config = load_config(None, [*base, "--model.attention_backend=sdpa"])
+    validate(config, world_size=2)
+    validate(config, world_size=8)  # dp 4
+    with pytest.raises(ConfigError, match=r"^world size \(3\) must be divisible by "
+                       r"parallel.tp x parallel.cp x parallel.pp \(2\)$"):
+        validate(config, world_size=3)
+    with pytest.raises(ConfigError, match=r"^data.seq_length \(30\) must be divisible by "
+                       r"2 x parallel.cp \(4\)"):
+        validate(load_config(None, [*base, "--data.seq_length=30"]), world_size=2)
+    validate(load_config(None, [*base, "--data.seq_length=28"]), world_size=2)
+    fitted, note = fit_layout(config, 1)
+    assert fitted.parallel.cp == 1 and "parallel.cp 2" in note and "parallel.cp 1" in note
 
 
 def test_eval_of_an_expert_layout_on_too_few_processes_drops_it():

@@ -227,6 +227,16 @@ def _toml(c, name: str):
 
 # Found before any process group exists: run in this process (see the module docstring).
 EARLY_CASES = {
+    # context parallelism: the world, the sequence's chunks, the attention that takes it
+    "context parallel vs world size": (lambda c: _train(c, "--parallel.cp=2"),
+                                       ["world size (1)",
+                                        "parallel.tp x parallel.cp x parallel.pp (2)"]),
+    "sequence vs context chunks": (lambda c: _train(c, "--parallel.cp=3"),
+                                   ["model.seq_length (32)", "2 x parallel.cp (6)"]),
+    "context parallel with local attention": (
+        lambda c: _train(c, "--parallel.cp=2", "--model.attention_backend=local",
+                         "--kernels.compile=false"),
+        ["parallel.cp (2)", "model.attention_backend sdpa", "--model.attention_backend=sdpa"]),
     # optimizer and run ranges
     "beta2 above 1": (lambda c: _train(c, "--optim.beta2=1.5"), ["optim.beta2 (1.5)", "[0, 1)"]),
     "negative beta1": (lambda c: _train(c, "--optim.beta1=-0.1"), ["optim.beta1 (-0.1)"]),
