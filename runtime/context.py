@@ -44,6 +44,17 @@ def chunks(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
+def sequence_index(local_length: int, device) -> torch.Tensor:
+    """The positions in the whole sequence of this rank's ``local_length`` tokens (its two
+    chunks, in the order it holds them): 0 .. s - 1 without context parallelism."""
+    cp = size()
+    if cp == 1:
+        return torch.arange(local_length, device=device)
+    chunk = local_length // 2
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device)
+                      for c in chunks(rank(), cp)])
+
+
 def split_batch(batch: dict) -> dict:
     """This rank's share of a micro-batch ([b, s] tensors; an ``attention_mask`` of document
     ids, [b, 1, 1, s], along its last dimension): the whole batch without context

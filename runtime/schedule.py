@@ -17,31 +17,53 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from runtime import context
 
+POSITION_PARTS = 8
+"""Equal parts of the sequence a validation's loss is also reported by (:func:`lm_loss`)."""
 
-def lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+
+def lm_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, parts: int = 0):
     """The micro-batch's mean cross entropy over its unmasked tokens. Under context
     parallelism each rank holds a share of every sequence: it returns its own tokens' sum over
     the whole sequence's count (megatron's schedule multiplies that by the context-parallel
     size, and DDP averages gradients over data x context ranks, so the gradient is the whole
-    sequence's mean), and reports the whole sequence's mean."""
+    sequence's mean), and reports the whole sequence's mean. With ``parts`` it also reports
+    the loss by position: [parts, 2] float64 sums and counts over each of ``parts`` equal
+    spans of the sequence (the long-context check: a model that uses its context has lower
+    loss later in it)."""
     mask = loss_mask.reshape(-1).float()
     total = (per_token_loss.float().reshape(-1) * mask).sum()
     if context.size() == 1:
         loss = total / mask.sum()
         # The schedule scales the returned loss in place; report an independent copy.
-        return loss, {"lm loss": loss.detach().clone()}
-    whole_total, whole_count = context.sequence_sums(torch.stack([total, mask.sum()]))
-    return total / whole_count, {"lm loss": whole_total / whole_count}
+        report = {"lm loss": loss.detach().clone()}
+    else:
+        whole_total, whole_count = context.sequence_sums(torch.stack([total, mask.sum()]))
+        loss, report = total / whole_count, {"lm loss": whole_total / whole_count}
+    if parts:
+        report["loss by position"] = _by_position(loss_mask, per_token_loss, parts)
+    return loss, report
 
 
-def forward_step(data_iterator: Iterator[dict], model):
+def _by_position(loss_mask: torch.Tensor, per_token_loss: torch.Tensor,
+                 parts: int) -> torch.Tensor:
+    local = per_token_loss.shape[-1]
+    index = context.sequence_index(local, per_token_loss.device)
+    part = (index * parts // (local * context.size())).expand_as(per_token_loss).reshape(-1)
+    mask = loss_mask.reshape(-1).double()
+    sums = torch.zeros(parts, 2, dtype=torch.float64, device=per_token_loss.device)
+    sums[:, 0].index_add_(0, part, per_token_loss.detach().reshape(-1).double() * mask)
+    sums[:, 1].index_add_(0, part, mask)
+    return context.sequence_sums(sums)
+
+
+def forward_step(data_iterator: Iterator[dict], model, parts: int = 0):
     """A micro-batch's forward on this rank's share of it (:func:`runtime.context.split_batch`);
     its ``attention_mask``, when present, is document ids (model.documents), read by every
-    pipeline stage from its own copy of the micro-batch."""
+    pipeline stage from its own copy of the micro-batch. ``parts``: :func:`lm_loss`'s."""
     batch = context.split_batch(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
-    return output, partial(lm_loss, batch["loss_mask"])
+    return output, partial(lm_loss, batch["loss_mask"], parts=parts)
 
 
 def forward_backward(
@@ -58,6 +80,15 @@ def forward_backward(
     results = run_schedule(chunks, microbatches, num_microbatches, seq_length, micro_batch_size,
                            forward_step, forward_only)
     return [r["lm loss"] for r in results]
+
+
+def validation_losses(chunks: list, microbatches: Iterable[dict], num_microbatches: int,
+                      seq_length: int, micro_batch_size: int,
+                      parts: int = POSITION_PARTS) -> list[dict]:
+    """A forward-only pass: each micro-batch's ``lm loss`` and ``loss by position``
+    (:func:`lm_loss`) on the last pipeline stage (empty elsewhere)."""
+    return run_schedule(chunks, microbatches, num_microbatches, seq_length, micro_batch_size,
+                        partial(forward_step, parts=parts), forward_only=True)
 
 
 def run_schedule(chunks: list, microbatches: Iterable[dict], num_microbatches: int,

@@ -8,6 +8,7 @@ run no skipped-steps panel, a one-rank run (whose slowest rank is itself) no str
 
 Key families read here, besides the training record's own fields:
 ``val_loss`` (the default validation set) and ``val/<name>/loss`` (further sets);
+``val_loss_at/<first>-<last>`` (the default set's loss by position in the sequence);
 ``diag/{x,y,h}_{rms,grad_norm}/block<NN>`` and ``diag/merge/*``
 (``pretrain.train.diagnostics``); ``downstream/<task>/<metric>``, where a
 ``<metric>_stderr`` becomes the band around its metric and ``chance`` (a multiple-choice
@@ -28,6 +29,7 @@ from pretrain.report.series import RunMetrics
 VALIDATION = re.compile(r"^val/(.+)/loss$")
 DOWNSTREAM = re.compile(r"^downstream/([^/]+)/(.+)$")
 STREAM_STAT = re.compile(r"^diag/([a-z]+)_(rms|grad_norm)/block(\d+)$")
+POSITION_LOSS = re.compile(r"^val_loss_at/(\d+)-(\d+)$")
 CHANCE = "chance"  # downstream/<task>/chance: a reference level, not a score
 STREAMS = {"x": "x stream (Post-Norm-like)", "y": "y stream (Pre-Norm-like)",
            "h": "residual stream"}
@@ -136,6 +138,19 @@ def _loss(metrics: RunMetrics, smooth: int) -> Figure | None:
         curves.append(Curve("spike_loss", "loss spike (diagnostics)", kind="events"))
     return Figure("loss", "Loss", (Plot("", "loss (nats per token)",
                                         tuple(curves)),))
+
+
+def _loss_by_position(metrics: RunMetrics) -> Figure | None:
+    """The validation loss over each span of positions in the sequence, one curve per span
+    (``val_loss_at/<first>-<last>``, ``pretrain.train.evaluate``): later spans below earlier
+    ones when the model uses its context, the usual long-context check."""
+    spans = sorted((int(m[1]), int(m[2]), key) for key in metrics.series
+                   if (m := POSITION_LOSS.match(key)))
+    if not spans:
+        return None
+    curves = tuple(Curve(key, f"positions {first}-{last}") for first, last, key in spans)
+    return Figure("loss_by_position", "Validation loss by position in the sequence",
+                  (Plot("", "loss (nats per token)", curves),))
 
 
 def _single(metrics: RunMetrics, key: str, name: str, title: str, ylabel: str,
@@ -287,6 +302,7 @@ def figures(metrics: RunMetrics, info: RunInfo, smooth: int = 0) -> list[Figure]
     """The report's figures, in the order the page shows them."""
     found = [
         _loss(metrics, smooth),
+        _loss_by_position(metrics),
         _learning_rates(metrics),
         _single(metrics, "grad_norm", "grad_norm", "Gradient norm",
                 "gradient L2 norm (before clipping)", log_y=True),

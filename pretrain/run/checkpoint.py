@@ -340,12 +340,16 @@ def load(directory: Path, record: dict, chunks, optimizer, scheduler) -> None:
         set_rng_state(read_rng_state(directory / "rng" / f"rank{dist.get_rank()}.pt"))
 
 
-def weights_source(path: str, config: Config) -> Path:
+def weights_source(path: str, config: Config, extension: bool = False) -> Path:
     """The checkpoint ``path`` names (for eval, the unsharded tools and run.init_from), after
-    checking that it holds ``config``'s model and was trained with its tokenizer."""
+    checking that it holds ``config``'s model and was trained with its tokenizer.
+    ``extension`` (run.init_from): the model may take longer sequences and another RoPE base
+    (:func:`pretrain.run.identity.extension_fields`)."""
     found = find(Path(path))
     record = read_record(found)
-    identity.check_model(record.get("model"), identity.model_identity(config), found)
+    current = identity.model_identity(config)
+    identity.check_model(record.get("model"), current, found,
+                         identity.extension_fields(current) if extension else ())
     identity.check_tokenizer(record.get("tokenizer"), config, found)
     return found
 

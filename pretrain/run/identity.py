@@ -117,10 +117,26 @@ def model_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[st
             for k in current if k in saved and saved[k] != current[k]]
 
 
-def check_model(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: str) -> None:
-    """Refuse a checkpoint whose model differs from ``current`` (:func:`model_identity`),
-    naming every differing field. ``saved`` is None for checkpoints written before identities
-    were recorded: their tensor shapes are still checked when they load."""
+CONTEXT_EXTENSION_FIELDS = ("seq_length", "rotary_base")
+"""The model fields a new run may change from the weights it starts from (run.init_from) when
+positions are rotary: a context extension trains the same weights on longer sequences with a
+larger RoPE base (docs/long-context.md). A resume may not: its data position and its RoPE are
+the checkpoint's."""
+
+
+def extension_fields(current: dict[str, Any]) -> tuple[str, ...]:
+    """:data:`CONTEXT_EXTENSION_FIELDS` where ``current`` (:func:`model_identity`) has rotary
+    positions; none for learned positions, whose table has seq_length rows."""
+    return CONTEXT_EXTENSION_FIELDS if current.get("position_embedding") == "rope" else ()
+
+
+def check_model(saved: dict[str, Any] | None, current: dict[str, Any], checkpoint: str,
+                changeable: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint whose model differs from ``current`` (:func:`model_identity`) in
+    a field other than ``changeable``, naming every differing field. ``saved`` is None for
+    checkpoints written before identities were recorded: their tensor shapes are still
+    checked when they load."""
+    current = {k: v for k, v in current.items() if k not in changeable}
     differences = model_differences(upgraded(saved), current) if saved else []
     if differences:
         raise CheckpointError(f"checkpoint '{checkpoint}' holds another model: "

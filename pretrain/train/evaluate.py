@@ -27,7 +27,7 @@ from pretrain.report.metrics import is_logging_rank, strict_json
 from pretrain.run.checkpoint import run_folder, weights_source
 from runtime import device, weights
 from runtime.errors import ConfigError
-from runtime.schedule import forward_backward
+from runtime.schedule import POSITION_PARTS, validation_losses
 
 log = logging.getLogger("pretrain")
 
@@ -129,16 +129,36 @@ def evaluate(config: Config, chunks, dataset, samples: int | None = None) -> dic
     samples = d.valid_samples if samples is None else samples
     for chunk in chunks:
         chunk.eval()
-    per_batch = []
+    per_batch, by_position = [], None
     with torch.no_grad():
         for i in range(samples // d.global_batch_size):
             batch = step_microbatches(dataset, i * d.global_batch_size, d.global_batch_size,
                                       d.micro_batch_size)
             n = microbatches_per_step(d.global_batch_size, d.micro_batch_size)
-            per_batch.append(forward_backward(
-                chunks, batch, n, config.seq_length, d.micro_batch_size, forward_only=True))
+            results = validation_losses(chunks, batch, n, config.seq_length,
+                                        d.micro_batch_size)
+            per_batch.append([r["lm loss"] for r in results])
+            for r in results:
+                part = r["loss by position"]
+                by_position = part if by_position is None else by_position + part
     for chunk in chunks:
         chunk.train()
     loss = _mean_loss(per_batch)
-    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)),
-            "val_samples": samples}
+    return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_samples": samples,
+            **_loss_by_position(by_position, config.seq_length)}
+
+
+def _loss_by_position(sums: torch.Tensor | None, seq_length: int) -> dict[str, float]:
+    """``val_loss_at/<first>-<last>``: the mean loss over each equal span of positions
+    (:data:`runtime.schedule.POSITION_PARTS`), from the last stage's per-micro-batch sums
+    (each sequence counted once: one TP and one context-parallel rank adds it)."""
+    counted = (sums is not None and parallel_state.get_tensor_model_parallel_rank() == 0
+               and parallel_state.get_context_parallel_rank() == 0)
+    total = torch.zeros(POSITION_PARTS, 2, dtype=torch.float64, device=device.compute_device())
+    if counted:
+        total += sums
+    dist.all_reduce(total)
+    # part k holds the positions i with k <= i * parts / seq_length < k + 1
+    first = [-(-k * seq_length // POSITION_PARTS) for k in range(POSITION_PARTS + 1)]
+    return {f"val_loss_at/{first[k]}-{first[k + 1] - 1}": float(s / max(c, 1.0))
+            for k, (s, c) in enumerate(total.tolist())}

@@ -58,12 +58,13 @@ def sha256(path: Path) -> str:
 
 
 def _init_source(path: str, config: Config) -> Path:
-    """run.init_from: a megatron checkpoint of this model, or a Hugging Face Llama folder
+    """run.init_from: a megatron checkpoint of this model (or of it at a shorter
+    seq_length and another RoPE base: a context extension), or a Hugging Face Llama folder
     whose config matches it (``pretrain.hf.llama``)."""
     if hf_llama.is_hf_folder(path):
         hf_llama.check(path, config.model)
         return Path(path)
-    return checkpoint.weights_source(path, config)
+    return checkpoint.weights_source(path, config, extension=True)
 
 
 def check_start(config: Config, config_path: str | None, data: Data) -> StartPoint:

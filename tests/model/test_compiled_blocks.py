@@ -331,6 +331,19 @@ def test_compiled_with_full_recompute(single_rank, scheme, recompute):
 
 
 @pytest.mark.slow  # starts two processes
+def test_compiled_under_context_parallelism(tmp_path):
+    """CP=2: the attention's K/V all-gather (megatron's autograd collective) and its chunks'
+    lower-right causal attention inside each block's graph: no break, no recompile after
+    step 1."""
+    out = tmp_path / "counts.json"
+    spawn(2, compile_probe.rank_counts, ["pre", "siamese"], {"cp": 2}, str(out))
+    for scheme, result in json.loads(out.read_text()).items():
+        counts = result["counts"]
+        assert sum(b for _, b in counts) == 0, (scheme, result["reasons"])
+        assert [g for g, _ in counts[1:]] == [0, 0], (scheme, counts)
+
+
+@pytest.mark.slow  # starts two processes
 @pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 2, "vp": 2}], ids=["1f1b", "interleaved"])
 def test_compiled_under_pipeline_parallelism(tmp_path, layout):
     """PP=2, blocks split over two ranks, with 1F1B and with interleaved 1F1B (two model

@@ -17,6 +17,7 @@ import pytest
 from tests.pretrain_fixtures import (
     cli,
     killed_in_save_then_resumed,
+    metrics,
     train_args,
     train_losses,
     val_losses,
@@ -65,6 +66,12 @@ def test_two_ranks_share_each_sequence_and_take_one_process_losses(data, single,
     assert done.stderr.count("layout: world") == 1  # the logging rank alone speaks
     assert_same_losses(cp2, single, "cp2")
     assert val_losses(cp2) == pytest.approx(val_losses(single), rel=REL)
+    # the loss by position: each rank's chunks counted where they lie in the sequence
+    by_position = [{k: v for k, v in record.items() if k.startswith("val_loss_at/")}
+                   for record in (metrics(cp2)[-1], metrics(single)[-1])]
+    assert len(by_position[0]) == 8 and by_position[0].keys() == by_position[1].keys()
+    for key, value in by_position[0].items():
+        assert value == pytest.approx(by_position[1][key], rel=REL), key
     one = resumed_from(cp2, tmp_path / "cp2-then-one")
     cli(*train_args(data, one, *COMMON))
     assert_same_losses(one, single, "cp2 -> one process", first=EVERY + 1)
