@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pretrain.config import load_config
 from pretrain.report.units import human
 from tests.pretrain_fixtures import REPO, cli, env
 
@@ -101,7 +102,13 @@ def test_every_paper_preset_dry_runs_and_fits_8_32_and_64_gpus(tmp_path):
     assert sorted(reports) == sorted(map(str, PAPER))
     for preset, (status, out, err) in reports.items():
         _check_verdict(status, err)
-        assert f"layout: world {GPUS[0]} = tp 1 x pp 1 x dp {GPUS[0]}" in out, preset
+        if "/long/" in preset:  # a context extension: each sequence over cp ranks
+            cp = load_config(preset).parallel.cp
+            assert cp > 1 and (f"layout: world {GPUS[0]} = tp 1 x cp {cp} x pp 1 x dp "
+                               f"{GPUS[0] // cp}") in out, preset
+            assert f"each rank holds {load_config(preset).seq_length // cp:,} tokens" in out
+        else:
+            assert f"layout: world {GPUS[0]} = tp 1 x pp 1 x dp {GPUS[0]}" in out, preset
         if "/1.3b/" in preset:  # 8.0672e9 by Megatron-LM's own expression (test_throughput.py)
             assert "Megatron-LM's formula): 8.07 GFLOP" in out, preset
         memory = _check_report(out)

@@ -4,7 +4,7 @@ does CP=2 x TP=2 with sequence parallelism on four ranks. A CP=2 checkpoint resu
 process and one process's resumes at CP=2, each carrying on with the uninterrupted losses
 (a checkpoint holds no trace of the sequence split); a SIGKILL in the middle of a CP=2 save
 costs nothing (the resumed run repeats every loss bit for bit); ``eval`` of a CP=2 checkpoint
-in one process gives the run's validation loss."""
+in one process gives the run's validation loss, and ``generate`` the one-process run's text."""
 
 from __future__ import annotations
 
@@ -82,6 +82,11 @@ def test_two_ranks_share_each_sequence_and_take_one_process_losses(data, single,
                     "--checkpoint", str(cp2 / "checkpoints"))
     result = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert result["val_loss"] == pytest.approx(val_losses(cp2)[-1], rel=REL)
+    sampled = cli("generate", "--checkpoint", str(cp2 / "checkpoints"), "--prompt", "The",
+                  "--max-tokens", "4")  # one process, greedy: the one-process run's text
+    reference = cli("generate", "--checkpoint", str(single / "checkpoints"), "--prompt",
+                    "The", "--max-tokens", "4")
+    assert sampled.stdout.strip() and sampled.stdout == reference.stdout
 
 
 def test_documents_crossing_the_split_take_one_process_losses(data, tmp_path):
