@@ -52,7 +52,7 @@ def attention_cost(args, seq: int) -> dict:
     the context-parallel size the process groups have."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from bench.saved_activations import _cpu_causal_masks, saved_bytes
+    from bench.saved_activations import cpu_causal_masks, saved_bytes
     from model.config import ModelConfig, ParallelConfig
     from model.megatron_config import transformer_config
     from model.sdpa_attention import SDPAttention
@@ -82,7 +82,7 @@ def attention_cost(args, seq: int) -> dict:
         def forward(self, *_args, **_kwargs):
             return core(q, k, v, None).float().sum()
 
-    skip = _cpu_causal_masks(argparse.Namespace(cp=cp), {"tokens": torch.empty(1, local)})
+    skip = cpu_causal_masks(argparse.Namespace(cp=cp), {"tokens": torch.empty(1, local)})
     kept = saved_bytes(Attention(), {"tokens": None, "position_ids": None, "labels": None},
                        skip)
     return {"ms": ms, "bytes_per_token": kept / (args.batch * local)}

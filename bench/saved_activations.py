@@ -118,7 +118,7 @@ def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
                                 **(overrides or {})})
         [model] = build_model(config, ParallelConfig(cp=args.cp), dtype, args.norm_backend,
                               seed=0)
-        kept.append([saved_bytes(model, batch, _cpu_causal_masks(args, batch))
+        kept.append([saved_bytes(model, batch, cpu_causal_masks(args, batch))
                      for batch in batches])
     short, full = (more - fewer for fewer, more in zip(*kept, strict=True))
     local = [length // args.cp for length in lengths]
@@ -132,7 +132,7 @@ def layer_bytes(args, scheme: str, overrides: dict | None = None) -> dict:
                                                cp=args.cp)}
 
 
-def _cpu_causal_masks(args, batch):
+def cpu_causal_masks(args, batch):
     """Under context parallelism on the CPU, what to leave out of the count: the lower-right
     causal masks [chunk, k chunk] (k >= 2) of a rank's later chunks against the keys before
     them, which the CPU's attention kernel materialises and CUDA's flash attention does not

@@ -80,8 +80,12 @@ def test_every_scheme_has_every_paper_run():
 def test_paper_presets_share_the_recipe_and_never_share_a_run_folder():
     configs = {p: load_config(str(p)) for p in PRESETS}
     for path, config in configs.items():
-        assert config.optim.warmup_steps == 2000, path
-        assert config.model.seq_length == 4096, path
+        if path.parent.name == "long":  # a context extension: its own recipe, longer
+            assert config.run.init_from and config.model.rotary_base > 10000, path
+            assert config.seq_length > 4096 and config.parallel.cp > 1, path
+        else:
+            assert config.optim.warmup_steps == 2000, path
+            assert config.model.seq_length == 4096, path
         # The default layout is the recommended one for 8, 32 and 64 GPUs alike (see the bases).
         assert (config.parallel.tp, config.parallel.pp) == (1, 1), path
         for world in (8, 32, 64):
