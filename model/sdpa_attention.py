@@ -25,6 +25,12 @@ exact mask (same document and causal), where the calls' own cost dominates (a de
 128 took 1.25 times the plain step one call per document, 1.00 with the mask). The exact mask
 also serves queries that are not the keys (decoding) and, on CUDA, attention dropout (flex
 attention has none).
+
+Under context parallelism (``parallel.cp``) each rank's queries meet the whole sequence's keys
+(``model.context_parallel``): each of its two chunks is a call whose queries are the last of
+its keys, bottom-right causal (flash attention's own rule on CUDA, through torch's
+lower-right ``CausalBias``), with document ids flex attention on CUDA and the exact mask on
+the CPU.
 """
 
 from __future__ import annotations

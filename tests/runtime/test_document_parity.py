@@ -39,7 +39,8 @@ LAYOUTS = {"tp2-sp": (2, dict(tp=2, sequence_parallel=True), SCHEMES),
            # each rank's queries meet the gathered keys' ids
            "cp2": (2, dict(cp=2), SCHEMES), "cp2-ep2": (2, dict(cp=2, ep=2), [EXPERTS]),
            "cp2-tp2-sp-recompute": (4, dict(cp=2, tp=2, sequence_parallel=True,
-                                            recompute="full"), ["siamese"])}
+                                            recompute="full"), ["siamese"]),
+           "cp2-pp2-vp2": (4, dict(cp=2, pp=2, vp=2), ["siamese_hybrid"])}
 # As test_parallel_parity: only the order of sums differs between layouts.
 LOSS_BOUND = 1e-6
 GRAD_BOUND = 5e-5

@@ -217,8 +217,14 @@ def test_layout_matches_unsharded(reference, layout, tmp_path):
     check_layout(reference, layout, SCHEMES, tmp_path)
 
 
+# Context parallelism with pipeline stages meets the schemes only where any layout does (the
+# packed [s/cp, b, n h] tensor between stages): the two SiameseNorm schemes run it; every
+# scheme runs CP=2 and CP=2 x TP=2 + SP, where the attention and its head norms meet the split.
+BASELINE_LAYOUTS = [name for name in LAYOUTS if name != "cp2-pp2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", BASELINE_LAYOUTS)
 def test_baseline_layout_matches_unsharded(reference, layout, tmp_path):
     """Every other registered scheme under every layout: TP, TP with sequence parallelism (a
     parameter outside the tensor-parallel matmuls whose gradient is not summed over the TP

@@ -267,7 +267,8 @@ def test_report_of_a_real_run(data, tmp_path):
     assert done.stdout.strip() == str(out / "report.html")
     pictures = sorted(out.glob("*.png"))
     assert sorted(p.stem for p in pictures) == sorted(
-        ["loss", "lr", "grad_norm", "throughput", "diag_rms", "diag_grad_norm", "diag_merge"])
+        ["loss", "loss_by_position", "lr", "grad_norm", "throughput", "diag_rms",
+         "diag_grad_norm", "diag_merge"])
     for png in pictures:
         _check_png(png)
     html = (out / "report.html").read_text()

@@ -4,7 +4,9 @@ does CP=2 x TP=2 with sequence parallelism on four ranks. A CP=2 checkpoint resu
 process and one process's resumes at CP=2, each carrying on with the uninterrupted losses
 (a checkpoint holds no trace of the sequence split); a SIGKILL in the middle of a CP=2 save
 costs nothing (the resumed run repeats every loss bit for bit); ``eval`` of a CP=2 checkpoint
-in one process gives the run's validation loss, and ``generate`` the one-process run's text."""
+in one process gives the run's validation loss, and ``generate`` the one-process run's text.
+A context extension starts at CP=2 from the one-process run's shorter weights with a larger
+RoPE base, and its resume keeps both."""
 
 from __future__ import annotations
 
@@ -121,3 +123,26 @@ def test_sigkill_during_a_cp2_save_resumes_every_loss_exactly(data, tmp_path):
                                 tmp_path / "killed.log", nproc=2)
     assert train_losses(run) == train_losses(whole)
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == SAVED
+
+
+def test_a_context_extension_starts_from_shorter_weights(data, single, tmp_path):
+    """run.init_from takes the 32-token run's weights into a 64-token model with RoPE base
+    40,000 at CP=2 (the recipe of docs/long-context.md); another model field is still refused
+    by name, and the extension's own resume may not change its length or base."""
+    longer = ["--model.seq_length=64", "--model.rotary_base=40000", "--parallel.cp=2",
+              f"--run.init_from={single / 'checkpoints'}", "--run.steps=3",
+              "--run.save_interval=3", "--run.eval_interval=3"]
+    run = tmp_path / "extended"
+    done = cli(*train_args(data, run, *longer), nproc=2)
+    assert f"from the weights of {single / 'checkpoints'}" in done.stderr
+    assert sorted(train_losses(run)) == [1, 2, 3]
+    assert [k for k in metrics(run)[-1] if k.startswith("val_loss_at/")][-1] == \
+        "val_loss_at/56-63"
+    wider = cli(*train_args(data, tmp_path / "wider", *longer, "--model.ffn_hidden_size=256"),
+                nproc=2, check=False)
+    assert wider.returncode != 0 and "model.ffn_hidden_size (128 in the checkpoint, 256 " \
+        "here)" in wider.stderr, wider.stderr[-2000:]
+    other_base = cli(*train_args(data, run, *longer, "--model.rotary_base=80000",
+                                 "--run.steps=6"), nproc=2, check=False)
+    assert other_base.returncode != 0 and "model.rotary_base (40000 in the checkpoint, " \
+        "80000 here)" in other_base.stderr, other_base.stderr[-2000:]
