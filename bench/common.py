@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,37 @@ def one_process() -> Iterator[None]:
             yield
         finally:
             parallel.destroy()
+
+
+def _context_rank(rank: int, cp: int, port: int, fn, args, out) -> None:
+    from model.config import ParallelConfig
+    from runtime import cpu_compat, parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(cp), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    with cpu_compat.enabled():
+        parallel.initialize(ParallelConfig(cp=cp))
+        try:
+            result = fn(*args)
+        finally:
+            parallel.destroy()
+    if rank == 0:
+        out.put(result)
+
+
+def on_context_ranks(cp: int, fn: Callable, *args):
+    """``fn(*args)`` on ``cp`` gloo processes sharing each sequence (``parallel.cp``), one
+    thread each, inside megatron's groups; rank 0's result (``fn`` and its result must
+    pickle). What a benchmark of context parallelism runs its measurement in."""
+    import torch.multiprocessing as mp
+
+    from runtime.launcher import free_port
+
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_context_rank, args=(cp, free_port(), fn, args, out), nprocs=cp,
+                       join=True, start_method="spawn")
+    return out.get()
 
 
 def random_batch(vocab: int, batch: int, seq: int, device: str | torch.device = "cpu",

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from bench.common import time_ms, versions_line
+from bench.common import on_context_ranks, one_process, time_ms, versions_line
 from runtime.markdown import markdown_table
 
 PRESETS = ("configs/paper/long/siamese-32k.toml", "configs/paper/long/siamese-64k.toml")
@@ -88,45 +88,24 @@ def attention_cost(args, seq: int) -> dict:
     return {"ms": ms, "bytes_per_token": kept / (args.batch * local)}
 
 
-def _rank(rank: int, port: int, args, out) -> None:
-    from model.config import ParallelConfig
-    from runtime import cpu_compat, parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig(cp=2))
-        try:
-            found = {seq: attention_cost(args, seq) for seq in _seqs(args)}
-        finally:
-            parallel.destroy()
-    if rank == 0:
-        out.put(found)
-
-
 def _seqs(args) -> list[int]:
     return [int(s) for s in args.seqs.split(",")]
 
 
+def _costs(args) -> dict[int, dict]:
+    return {seq: attention_cost(args, seq) for seq in _seqs(args)}
+
+
 def measured(args) -> dict[int, dict[int, dict]]:
     """{cp: {seq: cost}} for CP=1 (this process, one thread, as each rank has) and CP=2."""
-    import torch.multiprocessing as mp
-
-    from bench.common import one_process
-    from runtime.launcher import free_port
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with one_process():
-            one = {seq: attention_cost(args, seq) for seq in _seqs(args)}
+            one = _costs(args)
     finally:
         torch.set_num_threads(threads)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank, args=(free_port(), args, queue), nprocs=2, join=True,
-                       start_method="spawn")
-    return {1: one, 2: queue.get()}
+    return {1: one, 2: on_context_ranks(2, _costs, args)}
 
 
 def on_paper(args) -> list[list[str]]:

@@ -28,7 +28,12 @@ import torch
 if not torch.cuda.is_available():  # the Triton norms run in the interpreter; Triton reads
     os.environ.setdefault("TRITON_INTERPRET", "1")  # this when a kernel module is imported
 
-from bench.common import one_process, random_batch, versions_line  # noqa: E402
+from bench.common import (  # noqa: E402
+    on_context_ranks,
+    one_process,
+    random_batch,
+    versions_line,
+)
 from runtime.markdown import markdown_table  # noqa: E402
 
 SCHEMES = ("pre", "post", "hybridnorm", "siamese", "siamese_hybrid")
@@ -147,22 +152,8 @@ def cpu_causal_masks(args, batch):
     return causal_mask
 
 
-def _rank(rank: int, port: int, args, schemes: list[str], out) -> None:
-    """One process of a context-parallel count: its share of each scheme's bytes."""
-    from model.config import ParallelConfig
-    from runtime import cpu_compat, parallel
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.cp), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    with cpu_compat.enabled():
-        parallel.initialize(ParallelConfig(cp=args.cp))
-        try:
-            results = [layer_bytes(args, s) for s in schemes]
-        finally:
-            parallel.destroy()
-    if rank == 0:
-        out.put(results)
+def _layers_bytes(args, schemes: list[str]) -> list[dict]:
+    return [layer_bytes(args, s) for s in schemes]
 
 
 def count(args, schemes: list[str]) -> list[dict]:
@@ -170,16 +161,8 @@ def count(args, schemes: list[str]) -> list[dict]:
     (rank 0's share: every rank holds as much)."""
     if args.cp == 1:
         with one_process():
-            return [layer_bytes(args, s) for s in schemes]
-    import torch.multiprocessing as mp
-
-    from runtime.launcher import free_port
-
-    context = mp.get_context("spawn")
-    out = context.SimpleQueue()
-    mp.start_processes(_rank, args=(free_port(), args, schemes, out), nprocs=args.cp,
-                       join=True, start_method="spawn")
-    return out.get()
+            return _layers_bytes(args, schemes)
+    return on_context_ranks(args.cp, _layers_bytes, args, schemes)
 
 
 def main(argv=None) -> None:

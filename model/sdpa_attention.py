@@ -198,7 +198,7 @@ class SDPAttention(MegatronModule):
                     attended = self._per_document(q, k, v, attention_mask, dropout_p, gqa)
             if attended is not None:
                 return attended.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
-        mask, causal = self._mask(attention_mask, mask_type, sq, sk, query.device)
+        mask, causal = self._mask(attention_mask, mask_type, sq, sk)
         with self._dropout_rng(dropout_p):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
@@ -230,7 +230,7 @@ class SDPAttention(MegatronModule):
         return torch.cat(rows, dim=0)
 
     @staticmethod
-    def _mask(attention_mask, mask_type, sq: int, sk: int, device):
+    def _mask(attention_mask, mask_type, sq: int, sk: int):
         """(keep-mask, lower-right causal bias or None, is_causal). megatron's masks mark
         positions to drop (True = masked); SDPA's boolean masks mark positions to keep.
         Document ids (``model.documents``) become the exact keep-mask."""
